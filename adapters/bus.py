@@ -460,8 +460,12 @@ class FanOutBus:
 
     def can_show_cards(self, policy: str | None = None) -> bool:
         """A platform that *started* and shows the cards of ``policy`` there (its home chat, or where the
-        policy's ``to:`` sends them) can show a card; configured is not enough."""
-        return any(name in self._started and self._places(a, policy) for name, a in self.adapters.items())
+        policy's ``to:`` sends them) can show a card; configured is not enough, and neither is one that refused
+        Kazma's setup while it ran (its cards wait for a restart, as a platform's whose start was refused)."""
+        return any(
+            name in self._started and setup_refused(a) is None and self._places(a, policy)
+            for name, a in self.adapters.items()
+        )
 
     def _places(self, adapter: PlatformAdapter, policy: str | None) -> list[CardTarget]:
         """Where ``adapter``'s platform shows the cards of a request under ``policy`` (its ``to:``; none

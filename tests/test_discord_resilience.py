@@ -222,8 +222,9 @@ async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts
     new login with the same token was refused too. Every ingress check (up to every 30 s, for ever) logged in
     again with that token, every card post on Discord asked for yet another login and was kept as retryable for
     ever, and only /healthz's "inbound connection not open" hinted at it. Now the refusal is said once
-    (``discord.token_refused``, counted at ``token_refused``), nothing logs in with that token again, and a card's
-    Discord post fails for good saying the operator must set a new token, while the same card lands on Telegram."""
+    (``discord.token_refused``, counted at ``token_refused``), nothing logs in or posts with that token again, and
+    a card's Discord post fails at once saying the operator must set a new token (kept for after the restart, see
+    below), while the same card lands on Telegram."""
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.01)
     monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
     monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
@@ -246,11 +247,8 @@ async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts
             while failure_count("token_refused", "discord") == refused:
                 await asyncio.sleep(0.02)
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
-        async with asyncio.timeout(20):  # the card is out on Telegram, and its Discord post given up
-            while not ("Approval needed" in fakes.card_text("telegram") and [
-                r for r in caplog.records if r.getMessage() == "bus.card_post_gave_up"
-            ]):  # fmt: skip
-                await asyncio.sleep(0.02)
+        errors = await discord_card_errors(app, request.id)  # its Discord post failed, and waits for a restart
+        await fakes.wait(lambda: "Approval needed" in fakes.card_text("telegram"))
         seen = checks
         async with asyncio.timeout(20):  # many more ingress checks, each of which logged in again before
             while checks < seen + 50:
@@ -259,11 +257,10 @@ async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts
         assert failure_count("token_refused", "discord") == refused + 1
         said = [r for r in caplog.records if r.getMessage() == "discord.token_refused"]
         assert len(said) == 1
-        gave_up = [str(getattr(r, "error", "")) for r in caplog.records if r.getMessage() == "bus.card_post_gave_up"]
-        assert len(gave_up) == 1, gave_up
-        assert "refused the bot token" in gave_up[0]
-        assert "platforms.discord.token" in gave_up[0]
+        assert "refused the bot token" in errors[0], errors
+        assert "platforms.discord.token" in errors[0], errors
         assert fakes.card_text("discord") == ""
+        assert not fakes.discord.calls_to("POST", HOME_POST)  # tried many times, nothing sent with that token
         assert "Approval needed" in fakes.card_text("slack")
         assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 0
         assert app.bus.ingress_missing() == []  # nothing for the check to open: Discord is off until a restart
@@ -321,3 +318,67 @@ async def test_attack_a_401_from_a_proxy_before_discord_does_not_take_discord_of
                 await asyncio.sleep(0.02)
         assert failure_count("token_refused", "discord") == refused
         assert first.id != second.id
+
+
+async def _refuse_the_token(app: App, fakes: Fakes) -> None:
+    """The bot's token reset in the Developer Portal while Kazma ran: the gateway closed with 4004, and the login
+    after it refused."""
+    refused = failure_count("token_refused", "discord")
+    fakes.discord.token = "reset-in-the-developer-portal"
+    assert await fakes.discord.drop_gateway(code=4004) == 1
+    async with asyncio.timeout(20):
+        while failure_count("token_refused", "discord") == refused:
+            await asyncio.sleep(0.02)
+
+
+async def test_attack_a_policy_only_discord_shows_fails_closed_once_discord_refused_the_token(tmp_path: Path) -> None:
+    """Once Discord refused the bot token while Kazma ran, a request under a policy whose cards only Discord shows
+    was still opened (the bus counted Discord as able to show cards): its only card was given up, and it waited
+    for its deadline with nobody shown it. As after a start Discord refused, nothing can show its card now: the
+    request is refused (fails closed), while a policy other platforms show goes on."""
+    only = f', policies: {{discord-only: {{to: ["discord:{HOME_CHANNEL_ID}"]}}}}'
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", approvals=only) as app:
+        assert app.bus.can_show_cards("discord-only")
+        await _refuse_the_token(app, fakes)
+        assert not app.bus.can_show_cards("discord-only")
+        assert app.bus.can_show_cards(None)
+
+
+async def test_attack_cards_and_edits_due_while_discord_refused_the_token_land_after_a_restart_with_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """Once Discord refused the bot token while Kazma ran, a card's Discord post was given up for good, and so was
+    the edit of a Discord card whose request was decided meanwhile: after the operator set the new token and
+    restarted Kazma, as the refusal told them to, the card never came to Discord, and the decided one still showed
+    its buttons there. They wait now, as for a platform whose start was refused, and land after the restart (the
+    card of the request the restart cancelled showing that)."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        async with kazma_on(fakes, store) as app:
+            decided = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            async with asyncio.timeout(20):
+                while not [c for c in await app.service.store.cards(decided.id) if c.platform == "discord"]:
+                    await asyncio.sleep(0.02)
+            await _refuse_the_token(app, fakes)
+            assert (
+                await app.service.decide(decided.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            ).won
+            waiting = await app.service.open("shell", {"command": "make test"}, "agent:builder", "telegram:-1001")
+            errors = await discord_card_errors(app, waiting.id)
+            assert "refused the bot token" in errors[0], errors
+            async with asyncio.timeout(20):  # the decision is shown where the token still works
+                while not all(
+                    c.settled_at for c in await app.service.store.cards(decided.id) if c.platform != "discord"
+                ):
+                    await asyncio.sleep(0.02)
+        # the operator put the new token (the fake's own now) in platforms.discord.token and restarted Kazma
+        async with kazma_on(fakes, store) as app:
+            await _settled(app, decided.id)
+            async with asyncio.timeout(20):
+                while not [c for c in await app.service.store.cards(waiting.id) if c.platform == "discord"]:
+                    await asyncio.sleep(0.02)
+        cards = [m for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+        assert len(cards) == 2
+        # each shows its outcome (the waiting one Kazma's restart cancelled), without buttons
+        assert [m["embeds"][0]["title"].split()[:2] for m in cards] == [["✅", "APPROVED"], ["⏹", "CANCELLED"]]
+        assert [m.get("components") for m in cards] == [[], []]

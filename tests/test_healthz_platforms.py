@@ -198,8 +198,8 @@ async def test_discord_refusing_the_token_on_a_post_is_healthz_off_and_later_car
     """The bot's token reset while Kazma ran, seen first by a card's post (a replica that does not hold the gateway
     sees it nowhere else): Discord answered 401, the card's Discord post was given up, and /healthz still said
     "platform discord: serving"; every later card asked Discord again with the refused token. Now /healthz says
-    Discord is off because it refused the token and what to do, and later cards are not sent to it at all, while
-    Telegram and Slack show them."""
+    Discord is off because it refused the token and what to do, and later cards are not sent to it at all (their
+    Discord posts wait for the restart), while Telegram and Slack show them."""
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
         refused = failure_count("token_refused", "discord")
         fakes.discord.token = "reset-in-the-developer-portal"
@@ -217,17 +217,17 @@ async def test_discord_refusing_the_token_on_a_post_is_healthz_off_and_later_car
         await until(lambda: "make two" in fakes.card_text("telegram") and "make two" in fakes.card_text("slack"))
         assert isinstance(app.bus, bus.FanOutBus)
         outbox = app.bus.outbox
-        await until_async(lambda: _discord_post_ended(outbox, second.id))
+        await until_async(lambda: _discord_post_refused(outbox, second.id))
         assert len(fakes.discord.calls_to("POST", r"/channels/\d+/messages")) == posts
         assert failure_count("token_refused", "discord") == refused + 1
         for request in (first, second):
             assert [c.platform for c in await app.service.store.cards(request.id)].count("discord") == 0
 
 
-async def _discord_post_ended(outbox: object, request_id: str) -> bool:
-    """Whether ``request_id``'s Discord card post is no longer pending in the outbox (posted or given up)."""
+async def _discord_post_refused(outbox: object, request_id: str) -> bool:
+    """Whether ``request_id``'s Discord card post was tried and waits in the outbox for the restart, refused."""
     pending = await outbox.pending()  # type: ignore[attr-defined]
-    return not [r for r, p, _, _ in pending if r == request_id and p == "discord"]
+    return any(r == request_id and p == "discord" and "refused the bot token" in str(e) for r, p, _, e in pending)
 
 
 async def until_async(predicate: Callable[[], object], timeout: float = 20.0) -> None:

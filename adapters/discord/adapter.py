@@ -343,7 +343,10 @@ class DiscordAdapter(PlatformBase):
         log.error("discord.token_refused", site=site, error=describe(exc), gateway=self._ended, fix=OPERATOR_FIX)
 
     def _token_error(self, site: str) -> PlatformError:
-        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
+        # Retryable, as for a platform whose start was refused: a card post or edit stays in the outbox (nothing goes
+        # out to Discord meanwhile) and lands after the operator's restart with a new token. Given up for good, the
+        # card never came to Discord, and a card decided meanwhile kept its buttons there.
+        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True)
 
     @property
     def has_singleton_ingress(self) -> bool:
