@@ -270,3 +270,29 @@ async def test_attack_a_line_not_utf8_is_refused_not_put_on_a_card_with_its_byte
             serve.stdin.close()
             with anyio.fail_after(WITHIN):
                 await serve.wait()
+
+
+async def test_attack_a_batch_or_a_json_text_that_is_no_object_is_answered_not_left_waiting(tmp_path: Path) -> None:
+    """A JSON-RPC batch (a client on MCP 2025-03-26 may send one; the SDK reads none) was dropped with nothing
+    said: each request in it waited for ever. So did an empty batch and a JSON text that is no object (``"hi"``),
+    which JSON-RPC answers with id null. Each request in a batch is answered with an error for its id now (its
+    notifications, as ever, with nothing), and the others with one error with id null."""
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        listing = '{"jsonrpc":"2.0","id":%s,"method":"tools/list"}'
+        notified = '{"jsonrpc":"2.0","method":"notifications/progress","params":{}}'
+        client.send(f"[{listing % 2},{notified},{listing % 3}]")
+        client.send(f"[{notified}]")  # notifications only: nothing to answer
+        client.send("[]")
+        client.send('"hi"')
+        client.send(listing % 4)
+        answered = [await client.receive() for _ in range(5)]
+        assert [found["id"] for found in answered] == [2, 3, None, None, 4], answered
+        for found in answered[:2]:
+            assert found["error"]["code"] == -32600, found
+            assert "send each message on its own line" in found["error"]["message"], found
+        for found in answered[2:4]:
+            assert found["error"]["code"] == -32600, found
+            assert found["error"]["message"].startswith("the message cannot be read: "), found
+        assert "result" in answered[4], answered[4]
+        assert await door.app.service.store.requests(limit=5) == []

@@ -331,25 +331,48 @@ class _CheckedLines(anyio.AsyncFile[str]):
         await self._refuse(members, f"the message cannot be read: {error}", unreadable=True)
 
     async def _refuse(self, members: Any, problem: str, *, unreadable: bool = False) -> None:
-        names = [name for name, _ in members] if isinstance(members, tuple) else []
         if unreadable:  # event names stay literals (tests/test_log_events.py): one for each kind of refusal
             log.warning("mcp.message_unreadable", problem=problem[:200])
         else:
             log.warning("mcp.message_ambiguous", problem=problem[:200])
-        if "method" not in names or "id" not in names:
+        if isinstance(members, list):
+            # A JSON-RPC batch (MCP 2025-03-26 allowed them; the SDK reads none): dropped unanswered, each request in
+            # it waited for ever. Each is answered for its id; an empty one, as JSON-RPC says, with id null.
+            batch = f"{problem}; a batch (a JSON array) is not taken: send each message on its own line"
+            requests = [member for member in members if isinstance(member, tuple) and _asks(member)]
+            for request in requests:
+                await self._send(_answerable_id(request), INVALID_REQUEST, batch)
+            if not members:
+                await self._send(None, INVALID_REQUEST, problem)
+            return
+        if not isinstance(members, tuple):
+            # a JSON text that is no object ("hi", 5, null): no request the client could tell from a notification,
+            # answered as JSON-RPC answers an invalid request, with id null
+            await self._send(None, INVALID_REQUEST, problem)
+            return
+        if not _asks(members):
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
-        ids = [value for name, value in members if name == "id"]
-        # a request whose id is in doubt, or not one JSON-RPC allows, is answered as JSON-RPC says: with id null
-        request_id = (
-            ids[0] if len(ids) == 1 and isinstance(ids[0], (str, int)) and not isinstance(ids[0], bool) else None
-        )
-        if isinstance(request_id, str) and _SURROGATE.search(request_id):
-            request_id = None  # an id that is not Unicode text cannot be written back
-        await self._send(request_id, INVALID_REQUEST, problem)
+        await self._send(_answerable_id(members), INVALID_REQUEST, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
         refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
         await self.answers.send(SessionMessage(refused))
+
+
+def _asks(members: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether a message's ``members`` (its name-value pairs) make a request, which JSON-RPC answers."""
+    names = [name for name, _ in members]
+    return "method" in names and "id" in names
+
+
+def _answerable_id(members: tuple[tuple[str, Any], ...]) -> str | int | None:
+    """The id to answer a request with: its own, or null when it is in doubt or not one JSON-RPC allows."""
+    ids = [value for name, value in members if name == "id"]
+    if len(ids) != 1 or not isinstance(ids[0], str | int) or isinstance(ids[0], bool):
+        return None
+    if isinstance(ids[0], str) and _SURROGATE.search(ids[0]):
+        return None  # an id that is not Unicode text cannot be written back
+    return ids[0]
 
 
 def _unreadable(line: str) -> str | None:
