@@ -10,6 +10,7 @@ from typing import Final
 
 import aiohttp
 import discord
+import yarl
 
 from kazma.adapters.contract import PlatformError
 
@@ -91,11 +92,13 @@ def refuses_token(exc: BaseException) -> bool:
     if not isinstance(exc, discord.HTTPException) or exc.status != 401:
         return False
     response = exc.response
-    api = discord.http.Route.BASE.rstrip("/")
-    url = str(getattr(response, "url", ""))
-    if not url.startswith(api + "/"):
+    # compared as URLs: the configured base may spell its host or port otherwise than the request's URL does
+    api = yarl.URL(discord.http.Route.BASE)
+    url = yarl.URL(str(getattr(response, "url", "")))
+    base = api.path.rstrip("/")
+    if (url.host, url.port) != (api.host, api.port) or not url.path.startswith(base + "/"):
         return False
-    if url[len(api) :].startswith(("/webhooks/", "/interactions/")):
+    if url.path[len(base) :].startswith(("/webhooks/", "/interactions/")):
         return False
     headers = getattr(response, "headers", None) or {}
     return str(headers.get("Content-Type", "")).startswith("application/json")
