@@ -296,3 +296,15 @@ async def test_attack_a_batch_or_a_json_text_that_is_no_object_is_answered_not_l
             assert found["error"]["message"].startswith("the message cannot be read: "), found
         assert "result" in answered[4], answered[4]
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path: Path) -> None:
+    """A client writing UTF-8 with a byte order mark (PowerShell's pipes, a Windows editor's script) put it before
+    its first line, the handshake: the door answered it as not JSON with id null, and the client waited for its
+    initialize answer for ever. The mark says only "UTF-8" (JSON's RFC 8259 lets a reader ignore it): it is read
+    past, and the handshake answered."""
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        client.to_door.write("\ufeff")  # before the first line only
+        await client.initialise()
+        client.send('{"jsonrpc":"2.0","id":2,"method":"tools/list"}')
+        assert [tool["name"] for tool in (await client.receive())["result"]["tools"]] == ["request_approval"]

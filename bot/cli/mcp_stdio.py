@@ -290,7 +290,13 @@ class _CheckedLines(anyio.AsyncFile[str]):
         self.answers: Any = None  # the SDK's write stream, once it is open
 
     async def __aiter__(self) -> AsyncIterator[str]:
+        first = True
         async for line in self._lines:
+            if first:
+                # A byte order mark before the first line (PowerShell's pipes write one) says only "UTF-8", and
+                # RFC 8259 lets a reader ignore it: kept, the handshake was answered as not JSON with id null and
+                # the client waited for its answer for ever.
+                line, first = line.removeprefix("\ufeff"), False
             # Bytes that are not UTF-8 are kept (surrogateescape) to be refused here: replaced, as the SDK reads
             # them, a Latin-1 "café" went on the card as "caf\ufffd", a call the client never sent.
             not_utf8 = _NOT_UTF8.search(line)
