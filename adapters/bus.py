@@ -293,9 +293,23 @@ class FanOutBus:
                     self._tasks.spawn(self._start_again(adapter, handlers, ingress), name=f"kazma-bus-start-{name}")
             else:
                 self._started.add(name)
+                await self._due_now(name)
         for name, worker in self._workers.items():
             worker.task = self._tasks.spawn(self._run(worker), name=f"kazma-bus-{name}")
             worker.kick.set()  # resume what a previous run left: unposted cards, unsettled edits
+
+    async def _due_now(self, name: str) -> None:
+        """A start is the operator's "try again" (a new token after one was refused): the platform's posts and edits
+        waiting out their backoff go now. Before, a card kept while Slack or Discord refused the token landed
+        only when its last backoff (up to a minute) ran out after the restart."""
+        try:
+            posts = await self.outbox.due_now(name)
+            edits = await self.store.settles_due_now(name)
+        except store_errors() as exc:  # they go when their backoff ends, as before
+            log.warning("bus.due_now_failed", platform=name, error=str(exc).strip() or repr(exc))
+            return
+        if posts or edits:
+            log.info("bus.due_now", platform=name, posts=posts, edits=edits)
 
     async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers, ingress: bool) -> None:
         single = singleton_ingress(adapter)
@@ -327,6 +341,7 @@ class FanOutBus:
                 return
             self._started.add(adapter.name)
             self._start_failed.pop(adapter.name, None)
+            await self._due_now(adapter.name)
             log.info("bus.platform_started_late", platform=adapter.name, attempt=tries)
             worker = self._workers.get(adapter.name)
             if worker is not None:

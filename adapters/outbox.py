@@ -191,6 +191,21 @@ class Outbox:
             [(self.clock() + delay, error, job.id)],
         )
 
+    async def due_now(self, platform: str) -> int:
+        """Every post waiting on ``platform`` (none claimed) is due now; how many. For a platform that has just
+        started: what waited out a refused token or an outage goes at once, not when its last backoff ends."""
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE card_outbox SET next_at = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
+                " AND next_at > ?",
+                (now, platform, now),
+            )
+
+        writer = await self.tables.writer()
+        return int(await writer.submit(op))
+
     async def release_claims(self, live: Collection[str] | None = None) -> int:
         """Posts claimed by a process that is gone are due now: every claim (``live`` None, at the start of
         the only process on the store), or those of replicas not in ``live``. How many were released."""

@@ -1771,6 +1771,20 @@ class ApprovalStore:
 
         return await self._write(op) == 1
 
+    async def settles_due_now(self, platform: str) -> int:
+        """Every card edit on ``platform`` waiting to be tried again (none claimed) is due now; how many. For a
+        platform that has just started (see :meth:`kazma.adapters.outbox.Outbox.due_now`)."""
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE approval_cards SET retry_at = NULL WHERE platform = ? AND settled_at IS NULL"
+                " AND settle_claimed_by IS NULL AND retry_at > ?",
+                (platform, now),
+            )
+
+        return await self._write(op)
+
     async def release_settle_claims(self, live: Collection[str]) -> int:
         """Card edits claimed by replicas not in ``live`` are due now; how many were released."""
         gone, names = held_by_gone("settle_claimed_by", live)

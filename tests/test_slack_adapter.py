@@ -774,18 +774,19 @@ async def test_a_token_slack_refuses_while_running_fails_every_later_call_at_onc
 ) -> None:
     """Slack refused the bot token on a call (revoked, the app uninstalled): each later call asked Slack again with
     it, and each failure said only the code. Now the first refusal turns Slack off for this process: every later
-    call fails at once, for good, with the operator's fix, and nothing more is sent with that token."""
+    call fails at once with the operator's fix, and nothing more is sent with that token. Retryable: a card's post
+    or edit waits in the outbox for the restart with a new token (tests/test_healthz_platforms.py)."""
     fake.fail("chat.postMessage", "error", error=code)
     before = failure_count("token_refused", "slack")
     with pytest.raises(PlatformError) as info:
         await adapter.send_text(HOME, "x")
-    assert (info.value.retryable, info.value.operator_must_act) == (False, True)
+    assert (info.value.retryable, info.value.operator_must_act) == (True, True)
     assert f"Slack refused the bot token ({code} on chat.postMessage)" in str(info.value)
     assert "platforms.slack.bot_token" in str(adapter.setup_refused)
     calls = len(fake.calls)
     with pytest.raises(PlatformError) as later:
         await adapter.post_card(make_card({"x": 1}))
-    assert (later.value.site, later.value.retryable, later.value.operator_must_act) == ("card_post", False, True)
+    assert (later.value.site, later.value.retryable, later.value.operator_must_act) == ("card_post", True, True)
     assert "reinstall the app to the workspace" in str(later.value)
     assert len(fake.calls) == calls
     assert failure_count("token_refused", "slack") == before + 1

@@ -335,7 +335,10 @@ class SlackAdapter(PlatformBase):
         await socket.close_async()  # type: ignore[no-untyped-call]  # Bolt leaves it unannotated
 
     def _token_error(self, site: str) -> PlatformError:
-        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=False, operator_must_act=True)
+        # Retryable, as for a platform whose start was refused: a card post or edit stays in the outbox (nothing goes
+        # out to Slack meanwhile: call refuses first) and lands after the operator's restart with a new token. Given
+        # up for good, the card never came to Slack, and a card decided meanwhile kept its buttons there.
+        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True)
 
     async def call(
         self,
