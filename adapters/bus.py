@@ -293,23 +293,25 @@ class FanOutBus:
                     self._tasks.spawn(self._start_again(adapter, handlers, ingress), name=f"kazma-bus-start-{name}")
             else:
                 self._started.add(name)
-                await self._due_now(name)
+        await self._due_now([name for name in names if name in self._started])
         for name, worker in self._workers.items():
             worker.task = self._tasks.spawn(self._run(worker), name=f"kazma-bus-{name}")
             worker.kick.set()  # resume what a previous run left: unposted cards, unsettled edits
 
-    async def _due_now(self, name: str) -> None:
-        """A start is the operator's "try again" (a new token after one was refused): the platform's posts and edits
-        waiting out their backoff go now. Before, a card kept while Slack or Discord refused the token landed
-        only when its last backoff (up to a minute) ran out after the restart."""
+    async def _due_now(self, names: list[str]) -> None:
+        """A start is the operator's "try again" (a new token after one was refused): the started platforms' posts
+        and edits waiting out their backoff go now, two writes for all of them. Before, a card kept while Slack or
+        Discord refused the token landed only when its last backoff (up to a minute) ran out after the restart."""
+        if not names:
+            return
         try:
-            posts = await self.outbox.due_now(name)
-            edits = await self.store.settles_due_now(name)
+            posts = await self.outbox.due_now(names)
+            edits = await self.store.settles_due_now(names)
         except store_errors() as exc:  # they go when their backoff ends, as before
-            log.warning("bus.due_now_failed", platform=name, error=str(exc).strip() or repr(exc))
+            log.warning("bus.due_now_failed", platforms=names, error=str(exc).strip() or repr(exc))
             return
         if posts or edits:
-            log.info("bus.due_now", platform=name, posts=posts, edits=edits)
+            log.info("bus.due_now", platforms=names, posts=posts, edits=edits)
 
     async def _start_one(self, adapter: PlatformAdapter, handlers: Handlers, ingress: bool) -> None:
         single = singleton_ingress(adapter)
@@ -341,7 +343,7 @@ class FanOutBus:
                 return
             self._started.add(adapter.name)
             self._start_failed.pop(adapter.name, None)
-            await self._due_now(adapter.name)
+            await self._due_now([adapter.name])
             log.info("bus.platform_started_late", platform=adapter.name, attempt=tries)
             worker = self._workers.get(adapter.name)
             if worker is not None:

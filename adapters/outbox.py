@@ -8,7 +8,7 @@ between a decision and its edits leaves exactly the work still to do.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,16 +191,17 @@ class Outbox:
             [(self.clock() + delay, error, job.id)],
         )
 
-    async def due_now(self, platform: str) -> int:
-        """Every post waiting on ``platform`` (none claimed) is due now; how many. For a platform that has just
+    async def due_now(self, platforms: Sequence[str]) -> int:
+        """Every post waiting on ``platforms`` (none claimed) is due now; how many. For platforms that have just
         started: what waited out a refused token or an outage goes at once, not when its last backoff ends."""
         now = self.clock()
+        marks = ", ".join("?" for _ in platforms)
 
         def op(tx: Tx) -> int:
             return tx.run(
-                "UPDATE card_outbox SET next_at = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
-                " AND next_at > ?",
-                (now, platform, now),
+                f"UPDATE card_outbox SET next_at = ? WHERE platform IN ({marks}) AND done_at IS NULL"  # noqa: S608
+                " AND claimed_by IS NULL AND next_at > ?",
+                (now, *platforms, now),
             )
 
         writer = await self.tables.writer()

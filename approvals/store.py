@@ -1771,16 +1771,17 @@ class ApprovalStore:
 
         return await self._write(op) == 1
 
-    async def settles_due_now(self, platform: str) -> int:
-        """Every card edit on ``platform`` waiting to be tried again (none claimed) is due now; how many. For a
-        platform that has just started (see :meth:`kazma.adapters.outbox.Outbox.due_now`)."""
+    async def settles_due_now(self, platforms: Sequence[str]) -> int:
+        """Every card edit on ``platforms`` waiting to be tried again (none claimed) is due now; how many. For
+        platforms that have just started (see :meth:`kazma.adapters.outbox.Outbox.due_now`)."""
         now = self.clock()
+        marks = ", ".join("?" for _ in platforms)
 
         def op(tx: Tx) -> int:
             return tx.run(
-                "UPDATE approval_cards SET retry_at = NULL WHERE platform = ? AND settled_at IS NULL"
-                " AND settle_claimed_by IS NULL AND retry_at > ?",
-                (platform, now),
+                f"UPDATE approval_cards SET retry_at = NULL WHERE platform IN ({marks})"  # noqa: S608
+                " AND settled_at IS NULL AND settle_claimed_by IS NULL AND retry_at > ?",
+                (*platforms, now),
             )
 
         return await self._write(op)
