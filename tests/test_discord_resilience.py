@@ -241,11 +241,7 @@ async def test_a_token_reset_while_running_stops_discord_until_the_operator_acts
 
         monkeypatch.setattr(app.bus, "ingress_missing", counted)
         refused = failure_count("token_refused", "discord")
-        fakes.discord.token = "reset-in-the-developer-portal"
-        assert await fakes.discord.drop_gateway(code=4004) == 1
-        async with asyncio.timeout(20):
-            while failure_count("token_refused", "discord") == refused:
-                await asyncio.sleep(0.02)
+        await _refuse_the_token(app, fakes)
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
         errors = await discord_card_errors(app, request.id)  # its Discord post failed, and waits for a restart
         await fakes.wait(lambda: "Approval needed" in fakes.card_text("telegram"))

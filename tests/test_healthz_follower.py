@@ -25,6 +25,7 @@ from kazma.bot import lifecycle
 from kazma.bot import replication as replication_module
 from kazma.bot.app import App, build_app
 from kazma.bot.leader_inbound import LeaderInboundRecord
+from kazma.bot.replication import Replication
 from kazma.config import load_config_text
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
@@ -155,6 +156,19 @@ async def _true(value: bool) -> bool:
     return value
 
 
+def _count_looks(replication: Replication, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the leader has looked at its inbound states from now on (one counter, read as ``[0]``)."""
+    looks = [0]
+    record_inbound = replication.record_inbound
+
+    async def counted() -> None:
+        looks[0] += 1
+        await record_inbound()
+
+    monkeypatch.setattr(replication, "record_inbound", counted)
+    return looks
+
+
 async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_new_leaders_record_read(
     pg_dsn: str,
 ) -> None:
@@ -214,22 +228,14 @@ async def test_a_leader_whose_store_refuses_its_records_says_so_once_and_again_w
             return [tuple(r) for r in rows] == [(state,)]
 
         await until(lambda: recorded(bus.INBOUND_OPEN))
-        looks = 0
-        record_inbound = replication.record_inbound
-
-        async def counted() -> None:
-            nonlocal looks
-            looks += 1
-            await record_inbound()
-
-        monkeypatch.setattr(replication, "record_inbound", counted)
+        looks = _count_looks(replication, monkeypatch)
         await tables.run("ALTER TABLE leader_inbound RENAME TO leader_inbound_away")  # every write fails
         before = failure_count("inbound_record")
         with capture_logs() as logs:
             assert await fakes.discord.drop_gateway(code=4014) == 1  # a change: the leader writes
             await until(lambda: _true(failure_count("inbound_record") > before))
-            seen = looks
-            await until(lambda: _true(looks >= seen + 10))  # ten more looks, each failing
+            seen = looks[0]
+            await until(lambda: _true(looks[0] >= seen + 10))  # ten more looks, each failing
             failed = [e for e in logs if e["event"] == "app.inbound_record_failed"]
             assert len(failed) == 1, failed
             assert failure_count("inbound_record") == before + 1
@@ -326,17 +332,9 @@ async def test_the_leader_says_inbound_recorded_on_a_change_not_at_each_rewrite_
             return [tuple(r) for r in rows] == [("discord", bus.INBOUND_OPEN), ("telegram", bus.INBOUND_OPEN)]
 
         await until(recorded_open)
-        looks = 0
-        record_inbound = replication.record_inbound
-
-        async def counted() -> None:
-            nonlocal looks
-            looks += 1
-            await record_inbound()
-
-        monkeypatch.setattr(replication, "record_inbound", counted)
+        looks = _count_looks(replication, monkeypatch)
         with capture_logs() as logs:
-            await until(lambda: _true(looks >= 10))  # ten rewrites of the same states
+            await until(lambda: _true(looks[0] >= 10))  # ten rewrites of the same states
             assert [e for e in logs if e["event"] == "replica.inbound_recorded"] == []
             assert await fakes.discord.drop_gateway(code=4014) == 1  # a change is said
             await until(lambda: _true(any(e["event"] == "replica.inbound_recorded" for e in logs)))
