@@ -363,3 +363,40 @@ async def test_attack_a_line_longer_than_the_api_takes_is_answered_without_being
             assert found["error"]["message"].startswith("the line is longer than the 256 KiB a message may be ("), found
         assert [tool["name"] for tool in answered[2]["result"]["tools"]] == ["request_approval"]
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_json_python_s_parser_reads_only_leniently_is_answered_for_its_id(tmp_path: Path) -> None:
+    """A raw control character inside a string (NUL, U+001F: JSON says escape them) and an integer longer than
+    Python's int-string limit (4300 digits; JSON has none) were answered ``-32700`` "the line is not JSON" with id
+    null, the second quoting Python's own advice to raise the limit: the request in the line waited for an answer
+    with its id for ever. Each is answered for its id now, saying what is wrong and what to send; an id that is
+    itself such a number is answered with null, and a notification not at all."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    digits = "1" * (sys.get_int_max_str_digits() + 1)
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        raw = ['{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{"a":"x\x00y"}}']
+        raw.append(call % (3, '{"tool":"deploy","arguments":{"env":"prod\x1f"}}'))
+        for line in raw:
+            client.send(line)
+        client.send(call % (4, '{"tool":"deploy","arguments":{"replicas":' + digits + "}}"))
+        client.send('{"jsonrpc":"2.0","id":' + digits + ',"method":"tools/list"}')
+        client.send('{"jsonrpc":"2.0","method":"notifications/progress","params":{"a":"\x00"}}')  # not answered
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(5)]
+        assert [found["id"] for found in answered] == [2, 3, 4, None, 6], answered
+        for found, line, code in zip(answered[:2], raw, (0, 0x1F), strict=True):
+            at = line.index(chr(code))
+            assert found["error"] == {
+                "code": -32700,
+                "message": f"the line is not JSON: a control character (U+{code:04X}) at character {at} is inside a"
+                f" string; write it as an escape (\\u{code:04x})",
+            }
+        for found in answered[2:4]:
+            assert found["error"] == {
+                "code": -32600,
+                "message": f"the message cannot be read: a number with more than {len(digits) - 1} digits cannot be"
+                " read; send it as a string",
+            }
+        assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []

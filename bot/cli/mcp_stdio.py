@@ -352,12 +352,30 @@ class _CheckedLines(anyio.AsyncFile[str]):
         try:
             members = json.loads(line, object_pairs_hook=tuple)
         except (ValueError, RecursionError) as exc:
-            log.warning("mcp.message_not_json", error=str(exc)[:200])
-            await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+            members = _read_leniently(line)
+            if members is None:
+                log.warning("mcp.message_not_json", error=str(exc)[:200])
+                await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+                return
+            # What stopped Python's parser is one of its own strict rules, read around: a request whose id is
+            # known is answered for it (with id null, its caller waited for ever), saying what to send instead.
+            if isinstance(exc, json.JSONDecodeError):
+                found = line[exc.pos] if 0 <= exc.pos < len(line) else "\x00"
+                problem = (
+                    f"the line is not JSON: a control character (U+{ord(found):04X}) at character {exc.pos} is"
+                    f" inside a string; write it as an escape (\\u{ord(found):04x})"
+                )
+                await self._refuse(members, problem, unreadable=True, code=PARSE_ERROR)
+            else:  # Python's int-string limit (CVE-2020-10735), which JSON itself does not have
+                limit = sys.get_int_max_str_digits()
+                problem = f"the message cannot be read: a number with more than {limit} digits cannot be read"
+                await self._refuse(members, f"{problem}; send it as a string", unreadable=True)
             return
         await self._refuse(members, f"the message cannot be read: {error}", unreadable=True)
 
-    async def _refuse(self, members: Any, problem: str, *, unreadable: bool = False) -> None:
+    async def _refuse(
+        self, members: Any, problem: str, *, unreadable: bool = False, code: int = INVALID_REQUEST
+    ) -> None:
         if unreadable:  # event names stay literals (tests/test_log_events.py): one for each kind of refusal
             log.warning("mcp.message_unreadable", problem=problem[:200])
         else:
@@ -368,18 +386,18 @@ class _CheckedLines(anyio.AsyncFile[str]):
             batch = f"{problem}; a batch (a JSON array) is not taken: send each message on its own line"
             requests = [member for member in members if isinstance(member, tuple) and _asks(member)]
             for request in requests:
-                await self._send(_answerable_id(request), INVALID_REQUEST, batch)
+                await self._send(_answerable_id(request), code, batch)
             if not members:
-                await self._send(None, INVALID_REQUEST, problem)
+                await self._send(None, code, problem)
             return
         if not isinstance(members, tuple):
             # a JSON text that is no object ("hi", 5, null): no request the client could tell from a notification,
             # answered as JSON-RPC answers an invalid request, with id null
-            await self._send(None, INVALID_REQUEST, problem)
+            await self._send(None, code, problem)
             return
         if not _asks(members):
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
-        await self._send(_answerable_id(members), INVALID_REQUEST, problem)
+        await self._send(_answerable_id(members), code, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
         refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
@@ -446,6 +464,27 @@ def _answerable_id(members: tuple[tuple[str, Any], ...]) -> str | int | None:
     if isinstance(ids[0], str) and _SURROGATE.search(ids[0]):
         return None  # an id that is not Unicode text cannot be written back
     return ids[0]
+
+
+class _Unread:
+    """An integer too long for Python's int-string limit, read only to answer the message it is in."""
+
+
+def _read_leniently(line: str) -> Any:
+    """``line`` read past Python's parser's own strict rules (a raw control character in a string, an integer
+    past its int-string limit, which becomes an :class:`_Unread`), or None when it is not JSON even so. Only to
+    answer a line that is refused: never passed on."""
+    try:
+        return json.loads(line, strict=False, parse_int=_int_or_unread, object_pairs_hook=tuple)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _int_or_unread(text: str) -> int | _Unread:
+    try:
+        return int(text)
+    except ValueError:
+        return _Unread()  # never an id to answer with: the client's was a number, not this
 
 
 def _unreadable(line: str) -> str | None:
