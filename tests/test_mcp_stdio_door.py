@@ -54,7 +54,7 @@ async def stdio_door(door: Door) -> AsyncIterator[Client]:
     lines_read, lines_written = os.pipe()
     out_read, out_written = os.pipe()
     ask = asker(door.url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
-    lines = anyio.wrap_file(open(lines_read, encoding="utf-8"))  # noqa: SIM115 - closed as the door ends
+    lines = anyio.wrap_file(open(lines_read, "rb"))  # noqa: SIM115 - closed as the door ends
     out = anyio.wrap_file(open(out_written, "w", encoding="utf-8"))  # noqa: SIM115
     serving = asyncio.create_task(serve_checked(build_server(ask), lines, out))
     from_door = asyncio.StreamReader()
@@ -308,3 +308,95 @@ async def test_attack_a_byte_order_mark_before_the_first_line_is_read_past(tmp_p
         await client.initialise()
         client.send('{"jsonrpc":"2.0","id":2,"method":"tools/list"}')
         assert [tool["name"] for tool in (await client.receive())["result"]["tools"]] == ["request_approval"]
+
+
+async def test_attack_a_carriage_return_does_not_end_a_line_nor_make_one_call_another(tmp_path: Path) -> None:
+    """The door read stdin as text in universal-newline mode (as the SDK's own reader does), so a bare CR ended a
+    line. JSON reads a CR as whitespace: a client's one call for env=prod with a member ``"x"`` holding, after a
+    CR, a call for env=staging became three lines, the middle one a call of its own, and Kazma opened a request
+    for env=staging, a call the client never made. A batch with CRs between its members got past the batch refusal
+    the same way. Only LF ends a line now (MCP's stdio transport is newline-delimited); CRLF still ends one."""
+    call = (
+        '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":'
+        '{"tool":"deploy","arguments":%s,"deadline_seconds":60}}}'
+    )
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        client.send("[\r" + call % (2, '{"env":"staging"}') + "\r]")
+        refused = await client.receive()
+        assert refused["id"] == 2, refused
+        assert "a batch (a JSON array) is not taken" in refused["error"]["message"], refused
+        meant = call % (3, '{"env":"prod"}')
+        client.send(meant[:-1] + ',"x":\r' + call % (3, '{"env":"staging"}') + "\r}")  # one call, for env=prod
+        await door.press("a")
+        decided = await client.receive()
+        assert decided["id"] == 3, decided
+        assert decided["result"]["structuredContent"]["outcome"] == "approved", decided
+        assert [request.args for request in await door.app.service.store.requests(limit=5)] == [{"env": "prod"}]
+        client.to_door.write('{"jsonrpc":"2.0","id":4,"method":"tools/list"}\r\n')
+        client.to_door.flush()
+        assert [tool["name"] for tool in (await client.receive())["result"]["tools"]] == ["request_approval"]
+
+
+async def test_attack_a_line_longer_than_the_api_takes_is_answered_without_being_held(tmp_path: Path) -> None:
+    """The SDK's reader (and the door's) held a line of any length whole, then parsed it: a client (or whatever
+    writes to its pipe) could make the door hold gigabytes. A line longer than the approvals API's body limit is
+    let go as it arrives and answered for its request's id (read in passing), and the next line is served."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+    from kazma.bot.console.server import WebServer
+
+    assert MAX_LINE_BYTES == WebServer.BODY_LIMIT
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    huge = call % (2, json.dumps({"tool": "deploy", "arguments": {"blob": "a" * MAX_LINE_BYTES}}))
+    notified = '{"jsonrpc":"2.0","method":"notifications/progress","params":{"x":"%s"}}' % ("b" * MAX_LINE_BYTES)
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        # written from a thread: the door reads on this loop, and a pipe holds less than the line
+        await anyio.to_thread.run_sync(client.send, huge)
+        await anyio.to_thread.run_sync(client.send, notified)  # a notification: not answered
+        await anyio.to_thread.run_sync(client.send, "[" * (MAX_LINE_BYTES + 1))  # no id to read: id null
+        client.send('{"jsonrpc":"2.0","id":3,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(3)]
+        assert [found["id"] for found in answered] == [2, None, 3], answered
+        for found in answered[:2]:
+            assert found["error"]["code"] == -32600, found
+            assert found["error"]["message"].startswith("the line is longer than the 256 KiB a message may be ("), found
+        assert [tool["name"] for tool in answered[2]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_json_python_s_parser_reads_only_leniently_is_answered_for_its_id(tmp_path: Path) -> None:
+    """A raw control character inside a string (NUL, U+001F: JSON says escape them) and an integer longer than
+    Python's int-string limit (4300 digits; JSON has none) were answered ``-32700`` "the line is not JSON" with id
+    null, the second quoting Python's own advice to raise the limit: the request in the line waited for an answer
+    with its id for ever. Each is answered for its id now, saying what is wrong and what to send; an id that is
+    itself such a number is answered with null, and a notification not at all."""
+    call = '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":%s}}'
+    digits = "1" * (sys.get_int_max_str_digits() + 1)
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        raw = ['{"jsonrpc":"2.0","id":2,"method":"tools/list","params":{"a":"x\x00y"}}']
+        raw.append(call % (3, '{"tool":"deploy","arguments":{"env":"prod\x1f"}}'))
+        for line in raw:
+            client.send(line)
+        client.send(call % (4, '{"tool":"deploy","arguments":{"replicas":' + digits + "}}"))
+        client.send('{"jsonrpc":"2.0","id":' + digits + ',"method":"tools/list"}')
+        client.send('{"jsonrpc":"2.0","method":"notifications/progress","params":{"a":"\x00"}}')  # not answered
+        client.send('{"jsonrpc":"2.0","id":6,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(5)]
+        assert [found["id"] for found in answered] == [2, 3, 4, None, 6], answered
+        for found, line, code in zip(answered[:2], raw, (0, 0x1F), strict=True):
+            at = line.index(chr(code))
+            assert found["error"] == {
+                "code": -32700,
+                "message": f"the line is not JSON: a control character (U+{code:04X}) at character {at} is inside a"
+                f" string; write it as an escape (\\u{code:04x})",
+            }
+        for found in answered[2:4]:
+            assert found["error"] == {
+                "code": -32600,
+                "message": f"the message cannot be read: a number with more than {len(digits) - 1} digits cannot be"
+                " read; send it as a string",
+            }
+        assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
+        assert await door.app.service.store.requests(limit=5) == []

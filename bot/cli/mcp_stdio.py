@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import fcntl
-import io
 import json
 import os
 import re
@@ -21,7 +20,8 @@ import select
 import signal
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import IO, Any, cast
 
 import anyio
 import structlog
@@ -61,12 +61,17 @@ from kazma.approvals.withdrawal import Gone
 from kazma.bot.console.api import ambiguity, unrepresentable
 from kazma.bot.console.mcp_door import READ_FROM_TEXT
 from kazma.bot.console.mcp_tool import Ask, Asked, answer, build_server
+from kazma.engine.tools.mcp_stdio import Envelope
 
 log = structlog.get_logger("kazma.mcp_server")
 # How long a poll may fail in a row (Kazma restarting, a replica failing over) before the call gives up: less
 # than POLL_GRACE, after which Kazma withdraws a request nobody asks about.
 POLL_RETRY_SECONDS = 45.0
 WITHDRAW_TIMEOUT = 5.0  # an interrupted asker waits this long for Kazma to confirm the withdrawal
+# The longest line read: the approvals API's body limit (WebServer.BODY_LIMIT), past which Kazma would refuse the
+# call anyway. A longer line is let go as it arrives, never held whole (the SDK's reader holds any length).
+MAX_LINE_BYTES = 256 * 1024
+_READ_CHUNK = 64 * 1024
 
 
 def serve_stdio(base_url: str, token: str) -> None:
@@ -147,7 +152,7 @@ def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, a
     return ask
 
 
-def _client_lines() -> anyio.AsyncFile[str]:
+def _client_lines() -> anyio.AsyncFile[bytes]:
     """The client's side of stdin, read from a private copy while fd 0 points at the null device.
 
     The SDK does this itself only for a stdin it opens: what this door hands it instead is claimed the same way,
@@ -155,7 +160,7 @@ def _client_lines() -> anyio.AsyncFile[str]:
     try:
         private = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
     except OSError:
-        return anyio.wrap_file(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="surrogateescape"))
+        return anyio.wrap_file(sys.stdin.buffer)
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         try:
@@ -165,16 +170,15 @@ def _client_lines() -> anyio.AsyncFile[str]:
     except OSError:
         pass  # the diversion failed: the client is still read from the copy, as the SDK would
     # closefd=False: the SDK's reader thread may still block on it as the process leaves
-    return anyio.wrap_file(
-        io.TextIOWrapper(os.fdopen(private, "rb", closefd=False), encoding="utf-8", errors="surrogateescape")
-    )
+    return anyio.wrap_file(os.fdopen(private, "rb", closefd=False))
 
 
 async def serve_checked(
-    server: MCPServer[Any], lines: anyio.AsyncFile[str], out: anyio.AsyncFile[str] | None = None
+    server: MCPServer[Any], lines: anyio.AsyncFile[bytes], out: anyio.AsyncFile[str] | None = None
 ) -> None:
-    """Serve ``server`` over stdio, reading the client's ``lines`` (and answering on ``out``, by default stdout),
-    refusing a message that names one member twice before the SDK parses it.
+    """Serve ``server`` over stdio, reading the client's ``lines`` (bytes, one message a line: only ``\\n`` ends
+    one) and answering on ``out`` (by default stdout), refusing a message that names one member twice before the
+    SDK parses it.
 
     The SDK's parser keeps the last of a name given twice, where the client's own may have acted on the first: the
     card would show another call than the one the client meant. The ``/mcp`` door refuses such a body; this door
@@ -284,14 +288,19 @@ def wire_server(server: MCPServer[Any]) -> Server[Any]:
 class _CheckedLines(anyio.AsyncFile[str]):
     """The client's lines, less the ambiguous ones, each of which is answered with an error instead."""
 
-    def __init__(self, lines: anyio.AsyncFile[str]) -> None:
-        super().__init__(lines.wrapped)
+    def __init__(self, lines: anyio.AsyncFile[bytes]) -> None:
+        # The SDK takes a text file but only iterates it (our __aiter__), which reads the bytes beneath itself.
+        super().__init__(cast("IO[str]", lines.wrapped))
         self._lines = lines
         self.answers: Any = None  # the SDK's write stream, once it is open
 
     async def __aiter__(self) -> AsyncIterator[str]:
         first = True
-        async for line in self._lines:
+        async for read in _bounded_lines(self._lines):
+            if isinstance(read, _TooLong):
+                await self._answer_too_long(read)
+                continue
+            line = read.decode("utf-8", "surrogateescape")
             if first:
                 # A byte order mark before the first line (PowerShell's pipes write one) says only "UTF-8", and
                 # RFC 8259 lets a reader ignore it: kept, the handshake was answered as not JSON with id null and
@@ -326,17 +335,47 @@ class _CheckedLines(anyio.AsyncFile[str]):
                 continue
             await self._refuse(members, problem)
 
+    async def _answer_too_long(self, line: _TooLong) -> None:
+        """Answer a line longer than ``MAX_LINE_BYTES``, for the request it began (its id as far as it was read)."""
+        log.warning("mcp.line_too_long", size=line.size, limit=MAX_LINE_BYTES)
+        kinds = line.envelope.kinds
+        if (b"method" in kinds and line.envelope.id_bytes is None) or (b"method" not in kinds and kinds):
+            return  # a notification, or the client's answer to a request of ours: JSON-RPC answers neither
+        problem = (
+            f"the line is longer than the {MAX_LINE_BYTES // 1024} KiB a message may be ({line.size} bytes):"
+            " send smaller arguments"
+        )
+        await self._send(line.envelope.request_id, INVALID_REQUEST, problem)
+
     async def _answer_unreadable(self, line: str, error: str) -> None:
         """Answer a line the SDK cannot read, which it would drop unanswered (its caller waiting for ever)."""
         try:
             members = json.loads(line, object_pairs_hook=tuple)
         except (ValueError, RecursionError) as exc:
-            log.warning("mcp.message_not_json", error=str(exc)[:200])
-            await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+            members = _read_leniently(line)
+            if members is None:
+                log.warning("mcp.message_not_json", error=str(exc)[:200])
+                await self._send(None, PARSE_ERROR, f"the line is not JSON ({exc})")
+                return
+            # What stopped Python's parser is one of its own strict rules, read around: a request whose id is
+            # known is answered for it (with id null, its caller waited for ever), saying what to send instead.
+            if isinstance(exc, json.JSONDecodeError):
+                found = line[exc.pos] if 0 <= exc.pos < len(line) else "\x00"
+                problem = (
+                    f"the line is not JSON: a control character (U+{ord(found):04X}) at character {exc.pos} is"
+                    f" inside a string; write it as an escape (\\u{ord(found):04x})"
+                )
+                await self._refuse(members, problem, unreadable=True, code=PARSE_ERROR)
+            else:  # Python's int-string limit (CVE-2020-10735), which JSON itself does not have
+                limit = sys.get_int_max_str_digits()
+                problem = f"the message cannot be read: a number with more than {limit} digits cannot be read"
+                await self._refuse(members, f"{problem}; send it as a string", unreadable=True)
             return
         await self._refuse(members, f"the message cannot be read: {error}", unreadable=True)
 
-    async def _refuse(self, members: Any, problem: str, *, unreadable: bool = False) -> None:
+    async def _refuse(
+        self, members: Any, problem: str, *, unreadable: bool = False, code: int = INVALID_REQUEST
+    ) -> None:
         if unreadable:  # event names stay literals (tests/test_log_events.py): one for each kind of refusal
             log.warning("mcp.message_unreadable", problem=problem[:200])
         else:
@@ -347,22 +386,68 @@ class _CheckedLines(anyio.AsyncFile[str]):
             batch = f"{problem}; a batch (a JSON array) is not taken: send each message on its own line"
             requests = [member for member in members if isinstance(member, tuple) and _asks(member)]
             for request in requests:
-                await self._send(_answerable_id(request), INVALID_REQUEST, batch)
+                await self._send(_answerable_id(request), code, batch)
             if not members:
-                await self._send(None, INVALID_REQUEST, problem)
+                await self._send(None, code, problem)
             return
         if not isinstance(members, tuple):
             # a JSON text that is no object ("hi", 5, null): no request the client could tell from a notification,
             # answered as JSON-RPC answers an invalid request, with id null
-            await self._send(None, INVALID_REQUEST, problem)
+            await self._send(None, code, problem)
             return
         if not _asks(members):
             return  # a notification (or a response): JSON-RPC answers neither; said in the log, never forwarded
-        await self._send(_answerable_id(members), INVALID_REQUEST, problem)
+        await self._send(_answerable_id(members), code, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
         refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
         await self.answers.send(SessionMessage(refused))
+
+
+@dataclass(frozen=True)
+class _TooLong:
+    """A line longer than ``MAX_LINE_BYTES``: its size as far as it was read, and its top level read in passing."""
+
+    size: int
+    envelope: Envelope
+
+
+async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes | _TooLong]:
+    """The lines of ``source`` (without their ``\\n``), each at most ``MAX_LINE_BYTES``; a longer one is let go
+    as it arrives, only its top level read (for its id), and given as :class:`_TooLong`.
+
+    Only ``\\n`` ends a line, as MCP's stdio transport says. A text reader in universal-newline mode (the SDK's,
+    and this door's before) also ended one at a bare ``\\r``, which JSON reads as whitespace: a client's one
+    call ``{…"env":"prod"…,"x":\\r{…"env":"staging"…}\\r}`` became three lines, the middle one a call of its
+    own, and the card showed env=staging."""
+    kept = bytearray()
+    over: Envelope | None = None
+    size = 0
+    while chunk := await source.read1(_READ_CHUNK):
+        start = 0
+        while True:
+            newline = chunk.find(b"\n", start)
+            piece = memoryview(chunk)[start : len(chunk) if newline < 0 else newline]
+            if over is None and len(kept) + len(piece) > MAX_LINE_BYTES:
+                over, size = Envelope(), len(kept)
+                over.feed(kept)
+                kept = bytearray()  # let go now, not at the newline
+            if over is None:
+                kept += piece
+            else:
+                over.feed(piece)
+                size += len(piece)
+            if newline < 0:
+                break
+            if over is None:
+                yield bytes(kept)
+            else:
+                yield _TooLong(size, over)
+            kept, over, start = bytearray(), None, newline + 1
+    if over is not None:
+        yield _TooLong(size, over)
+    elif kept:
+        yield bytes(kept)
 
 
 def _asks(members: tuple[tuple[str, Any], ...]) -> bool:
@@ -379,6 +464,27 @@ def _answerable_id(members: tuple[tuple[str, Any], ...]) -> str | int | None:
     if isinstance(ids[0], str) and _SURROGATE.search(ids[0]):
         return None  # an id that is not Unicode text cannot be written back
     return ids[0]
+
+
+class _Unread:
+    """An integer too long for Python's int-string limit, read only to answer the message it is in."""
+
+
+def _read_leniently(line: str) -> Any:
+    """``line`` read past Python's parser's own strict rules (a raw control character in a string, an integer
+    past its int-string limit, which becomes an :class:`_Unread`), or None when it is not JSON even so. Only to
+    answer a line that is refused: never passed on."""
+    try:
+        return json.loads(line, strict=False, parse_int=_int_or_unread, object_pairs_hook=tuple)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _int_or_unread(text: str) -> int | _Unread:
+    try:
+        return int(text)
+    except ValueError:
+        return _Unread()  # never an id to answer with: the client's was a number, not this
 
 
 def _unreadable(line: str) -> str | None:
