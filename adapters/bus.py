@@ -91,6 +91,8 @@ INBOUND_FAILING: Final = "failing"
 INBOUND_NOT_OPEN: Final = "not open"
 # Being opened (a new leader's first moments, or an open tried again): not open yet, and not closed either.
 INBOUND_OPENING: Final = "opening"
+# A replica's own line for an ingress it leads for and has not been asked to open yet.
+OPENING_WITH_THE_LEASE: Final = "inbound connection opening: this replica took the lease and starts the leader's duties"
 
 
 @dataclass(frozen=True)
@@ -438,17 +440,22 @@ class FanOutBus:
             states[name] = InboundState(state, detail, _kept(since, name, state, now))
         return states
 
-    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
+    def health(self, leader: LeaderInbound | None = None, *, leads: bool = False) -> list[PlatformHealth]:
         """Each chat platform's state, for ``/healthz``: a platform whose start is being retried, that stays off,
         or whose inbound connection is closed shows its cards (or not) but no press on them reaches a decision.
         The console (the web adapter) is not among them: it serves whatever answers ``/healthz``.
 
-        ``leader``: on a follower, what the leader recorded of its inbound connections (none given: unknown)."""
+        ``leader``: on a follower, what the leader recorded of its inbound connections (none given: unknown).
+        ``leads``: this replica holds the lease (its ingress may not have been asked to open yet)."""
         return [
-            self._health(name, adapter, leader) for name, adapter in self.adapters.items() if name in CHAT_PLATFORMS
+            self._health(name, adapter, leader, leads=leads)
+            for name, adapter in self.adapters.items()
+            if name in CHAT_PLATFORMS
         ]
 
-    def _health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None = None) -> PlatformHealth:
+    def _health(
+        self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None = None, *, leads: bool = False
+    ) -> PlatformHealth:
         if name not in self._started:
             if name in self._off:
                 return PlatformHealth(
@@ -473,6 +480,10 @@ class FanOutBus:
             if trouble is not None:  # open, yet nothing comes in (Matrix's sync failing again and again)
                 return PlatformHealth(name, False, f"inbound failing ({trouble})")
             return PlatformHealth(name, True, "serving")
+        if not self._leading and leads:
+            # The lease is this replica's and the leader's duties are starting: read as a follower, it said the
+            # leader's record "could not be read" of the record it is about to write itself.
+            return PlatformHealth(name, False, OPENING_WITH_THE_LEASE)
         if not self._leading:  # presses reach the leader, whose ingress this is: as open as the leader recorded
             return _through_leader(name, leader)
         why = self._ingress_failed.get(name) or trouble or "it closed"
@@ -1251,7 +1262,7 @@ class NullBus:
     async def stop(self) -> None:
         return
 
-    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
+    def health(self, leader: LeaderInbound | None = None, *, leads: bool = False) -> list[PlatformHealth]:
         return []
 
     def can_show_cards(self, policy: str | None = None) -> bool:

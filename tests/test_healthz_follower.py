@@ -26,7 +26,7 @@ from kazma.bot import replication as replication_module
 from kazma.bot.app import App, build_app
 from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.bot.replication import Replication
-from kazma.config import load_config_text
+from kazma.config import failpoints, load_config_text
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from kazma.config.store import leader
@@ -427,3 +427,36 @@ def test_an_opening_connection_the_leader_recorded_counts_as_down_for_the_503_ru
     recorded = {"discord": InboundState(bus.INBOUND_OPENING, "inbound connection opening since 00:00:01 UTC", 1.0)}
     health = bus._through_leader("discord", bus.LeaderInbound("b", recorded))
     assert health == bus.PlatformHealth("discord", False, "leader b: inbound connection opening since 00:00:01 UTC")
+
+
+async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_itself(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between taking the lease and starting the leader's duties (held here by the leader.takeover failpoint) the
+    leader read its own platforms as a follower does, and said "inbound state unknown: the leader's record could
+    not be read" of the record it was about to write itself."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with (
+        three_fakes() as fakes,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x,
+    ):
+        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+        async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a, served(a, tmp_path / "a") as url:
+            replication = a.replication
+            assert replication is not None
+            failpoints.arm_for_test("leader.takeover=hang")  # the lease is taken, the duties wait
+            try:
+                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+                await until(lambda: _true(replication.is_leader))
+                status, lines = await healthz(url)
+            finally:
+                failpoints.disarm()
+            assert "replica a: leader" in lines
+            for platform in ("telegram", "discord"):
+                assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
+            assert (status, lines[0]) == (200, "ok"), lines  # Slack, served by every replica, takes presses
