@@ -89,11 +89,15 @@ class PlatformHealth:
 INBOUND_OPEN: Final = "open"
 INBOUND_FAILING: Final = "failing"
 INBOUND_NOT_OPEN: Final = "not open"
+# Being opened (a new leader's first moments, or an open tried again): not open yet, and not closed either.
+INBOUND_OPENING: Final = "opening"
+# A replica's own line for an ingress it leads for and has not been asked to open yet.
+OPENING_WITH_THE_LEASE: Final = "inbound connection opening: this replica took the lease and starts the leader's duties"
 
 
 @dataclass(frozen=True)
 class InboundState:
-    """One platform's inbound connection on the leader: open, open yet failing, or not open; since when (wall
+    """One platform's inbound connection on the leader: open, open yet failing, opening, or not open; since when (wall
     clock, as the leader's ``time.time()``) and why, as the leader's own ``/healthz`` says it."""
 
     state: str
@@ -117,6 +121,12 @@ class LeaderInbound:
 
 def _clock_time(at: float) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(at))
+
+
+def _kept(since: Mapping[str, InboundState], name: str, state: str, now: float) -> float:
+    """When a platform's inbound state began: the last record's moment when the state is the same, else now."""
+    before = since.get(name)
+    return before.since if before is not None and before.state == state else now
 
 
 def _through_leader(name: str, leader: LeaderInbound | None) -> PlatformHealth:
@@ -146,6 +156,8 @@ def _through_leader(name: str, leader: LeaderInbound | None) -> PlatformHealth:
         return PlatformHealth(name, True, f"serving through the leader ({leader.replica}): inbound open since {at}")
     if state.state == INBOUND_FAILING:
         return PlatformHealth(name, False, f"leader {leader.replica}: inbound failing since {at} ({state.detail})")
+    if state.state == INBOUND_OPENING:  # no press comes in through it yet: down, as the leader's own line is
+        return PlatformHealth(name, False, f"leader {leader.replica}: inbound connection opening since {at}")
     return PlatformHealth(
         name, False, f"leader {leader.replica}: inbound connection not open since {at} ({state.detail})"
     )
@@ -257,6 +269,9 @@ class FanOutBus:
         self._off: dict[str, str] = {}
         self._ingress_failed: dict[str, str] = {}
         self._leading = True  # whether this process holds the singleton ingress (a replica only while it leads)
+        # The singleton ingresses a start_ingress is opening, and since when (wall clock): the adapter counts one
+        # as running from the moment its open begins (Discord's until READY), and as closed before that.
+        self._opening: dict[str, float] = {}
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -374,6 +389,13 @@ class FanOutBus:
 
     async def _each_ingress(self, what: str) -> None:
         targets = [(n, s) for n, a in self.adapters.items() if n in self._started and (s := singleton_ingress(a))]
+        # Marked before any of them runs: a look in between (the leader's first record) saw a closed ingress and
+        # said "it closed", then "open" while Discord's gateway still waited for READY.
+        began = time.time()
+        if what == "start_ingress":
+            for name, single in targets:
+                if not single.ingress_running and setup_refused(self.adapters[name]) is None:
+                    self._opening[name] = began
 
         async def one(name: str, single: SingletonIngress) -> None:
             try:
@@ -385,6 +407,9 @@ class FanOutBus:
                     self._ingress_failed[name] = str(exc)
                 count_failure(what, name)
                 log.error("bus.ingress_change_failed", platform=name, action=what, error=str(exc))
+            finally:
+                if self._opening.get(name) == began:  # not a later start's mark
+                    del self._opening[name]
 
         await asyncio.gather(*(one(name, single) for name, single in targets))
 
@@ -396,6 +421,14 @@ class FanOutBus:
         for name, adapter in self.adapters.items():
             if name not in CHAT_PLATFORMS or (single := singleton_ingress(adapter)) is None:
                 continue
+            if name in self._started and not self._leading and setup_refused(adapter) is None:
+                # The lease is this replica's and the leader's duties are starting: the ingress is about to open.
+                at = _kept(since, name, INBOUND_OPENING, now)
+                states[name] = InboundState(INBOUND_OPENING, f"inbound connection opening since {_clock_time(at)}", at)
+                continue
+            if name in self._started and name in self._opening:
+                states[name] = InboundState(INBOUND_OPENING, self._health(name, adapter).state, self._opening[name])
+                continue
             if name in self._started and single.ingress_running:
                 health = self._health(name, adapter)
                 state, detail = (INBOUND_OPEN if health.takes_presses else INBOUND_FAILING), health.state
@@ -404,21 +437,25 @@ class FanOutBus:
                 detail = self._ingress_failed.get(name) or ingress_trouble(adapter) or "it closed"
             else:
                 state, detail = INBOUND_NOT_OPEN, self._health(name, adapter).state
-            before = since.get(name)
-            states[name] = InboundState(state, detail, before.since if before and before.state == state else now)
+            states[name] = InboundState(state, detail, _kept(since, name, state, now))
         return states
 
-    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
+    def health(self, leader: LeaderInbound | None = None, *, leads: bool = False) -> list[PlatformHealth]:
         """Each chat platform's state, for ``/healthz``: a platform whose start is being retried, that stays off,
         or whose inbound connection is closed shows its cards (or not) but no press on them reaches a decision.
         The console (the web adapter) is not among them: it serves whatever answers ``/healthz``.
 
-        ``leader``: on a follower, what the leader recorded of its inbound connections (none given: unknown)."""
+        ``leader``: on a follower, what the leader recorded of its inbound connections (none given: unknown).
+        ``leads``: this replica holds the lease (its ingress may not have been asked to open yet)."""
         return [
-            self._health(name, adapter, leader) for name, adapter in self.adapters.items() if name in CHAT_PLATFORMS
+            self._health(name, adapter, leader, leads=leads)
+            for name, adapter in self.adapters.items()
+            if name in CHAT_PLATFORMS
         ]
 
-    def _health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None = None) -> PlatformHealth:
+    def _health(
+        self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None = None, *, leads: bool = False
+    ) -> PlatformHealth:
         if name not in self._started:
             if name in self._off:
                 return PlatformHealth(
@@ -433,10 +470,20 @@ class FanOutBus:
             return PlatformHealth(name, False, f"off, {refused}")
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
+        if single is not None and self._leading and name in self._opening:
+            at = _clock_time(self._opening[name])
+            why = self._ingress_failed.get(name)
+            return PlatformHealth(
+                name, False, f"inbound connection opening since {at}" + (f" (it was not open: {why})" if why else "")
+            )
         if single is None or single.ingress_running:
             if trouble is not None:  # open, yet nothing comes in (Matrix's sync failing again and again)
                 return PlatformHealth(name, False, f"inbound failing ({trouble})")
             return PlatformHealth(name, True, "serving")
+        if not self._leading and leads:
+            # The lease is this replica's and the leader's duties are starting: read as a follower, it said the
+            # leader's record "could not be read" of the record it is about to write itself.
+            return PlatformHealth(name, False, OPENING_WITH_THE_LEASE)
         if not self._leading:  # presses reach the leader, whose ingress this is: as open as the leader recorded
             return _through_leader(name, leader)
         why = self._ingress_failed.get(name) or trouble or "it closed"
@@ -1215,7 +1262,7 @@ class NullBus:
     async def stop(self) -> None:
         return
 
-    def health(self, leader: LeaderInbound | None = None) -> list[PlatformHealth]:
+    def health(self, leader: LeaderInbound | None = None, *, leads: bool = False) -> list[PlatformHealth]:
         return []
 
     def can_show_cards(self, policy: str | None = None) -> bool:

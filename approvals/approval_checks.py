@@ -4,6 +4,7 @@ console and ``kazma approvals rules list`` share with the service and so cannot 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kazma.approvals.model import ApprovalRequest, Status
@@ -12,7 +13,7 @@ from kazma.config.keyring import Keyring
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig
 
 if TYPE_CHECKING:
-    from kazma.approvals.store import ApprovalStore
+    from kazma.approvals.store import ApprovalStore, AuditEvent
 
 
 def approval_problem(
@@ -37,10 +38,16 @@ def approval_problem(
 async def decided_on_record(store: ApprovalStore, request: ApprovalRequest) -> bool:
     """The ``decided`` audit row the compare-and-set wrote with ``request``'s approval: same identity and person,
     same hash, that outcome."""
+    return decided_among(await store.events(request.id, event="decided"), request)
+
+
+def decided_among(decided: Iterable[AuditEvent], request: ApprovalRequest) -> bool:
+    """:func:`decided_on_record` over ``request``'s ``decided`` audit events already read (a listing reads those
+    of many requests at once)."""
     return any(
         e.actor == request.decided_by
         and e.person == request.decided_person
         and e.args_hash == request.args_hash
         and (e.detail or "").split(":", 1)[0] == Status.APPROVED.value
-        for e in await store.events(request.id, event="decided")
+        for e in decided
     )

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
-from kazma.approvals.approval_checks import approval_problem, decided_on_record
+from kazma.approvals.approval_checks import approval_problem, decided_among
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.approvals.store import UnreadableRequest
@@ -33,7 +33,7 @@ from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
 
 if TYPE_CHECKING:
-    from kazma.approvals.store import ApprovalStore
+    from kazma.approvals.store import ApprovalStore, AuditEvent
     from kazma.config.models import KazmaConfig
 
 MIGRATIONS: Final = [
@@ -336,7 +336,62 @@ async def rule_states(
     ``forbid_requester``; whether an MCP tool's definition now is the one the rule is bound to: its digest is
     shown instead). ``keyring`` None: seals cannot be checked here (no usable decision key), so a rule nothing
     else ends is ``unchecked``, never ``active``."""
-    return [(await rule_standing(store, rule, config=config, keyring=keyring, now=now))[0] for rule in rules]
+    unread = [_standing_unread(rule, config=config, keyring=keyring, now=now) for rule in rules]
+    # Every rule's approval and audit rows in a few queries: read a rule at a time (three queries each), a listing
+    # of --all over 1,000 rules made 3,000 round trips before it printed a line.
+    wanted = [rule.request_id for rule, state in zip(rules, unread, strict=True) if state is None]
+    reads = await _ReadAhead.of(store, wanted) if wanted else _Reads(store)
+    return [
+        state if state is not None else (await _standing_read(reads, rule, config=config, keyring=keyring, now=now))[0]
+        for rule, state in zip(rules, unread, strict=True)
+    ]
+
+
+class _Reads:
+    """Where the reading of a rule finds its approval and that approval's audit rows: the store, a rule at a
+    time (the service's reading before a call runs)."""
+
+    def __init__(self, store: ApprovalStore) -> None:
+        self.store = store
+
+    async def request(self, request_id: str) -> ApprovalRequest | None:
+        return await self.store.get(request_id)
+
+    async def events(self, request_id: str, event: str) -> list[AuditEvent]:
+        return await self.store.events(request_id, event=event)
+
+
+class _ReadAhead(_Reads):
+    """The same rows, read beforehand for many rules at once (a listing)."""
+
+    def __init__(
+        self,
+        store: ApprovalStore,
+        requests: Mapping[str, ApprovalRequest | UnreadableRequest],
+        events: Mapping[str, list[AuditEvent]],
+    ) -> None:
+        super().__init__(store)
+        self._requests = requests
+        self._events = events
+
+    @classmethod
+    async def of(cls, store: ApprovalStore, request_ids: Sequence[str]) -> _ReadAhead:
+        requests = await store.requests_of(request_ids)
+        return cls(store, requests, await store.events_of(request_ids, _READ_EVENTS))
+
+    async def request(self, request_id: str) -> ApprovalRequest | None:
+        found = self._requests.get(request_id)
+        if isinstance(found, UnreadableRequest):
+            raise found
+        return found
+
+    async def events(self, request_id: str, event: str) -> list[AuditEvent]:
+        assert event in _READ_EVENTS  # a row not read beforehand would read as none: never there
+        return [e for e in self._events.get(request_id, ()) if e.event == event]
+
+
+# The audit events the reading of a rule consults.
+_READ_EVENTS: Final = ("decided", "rule_revoked")
 
 
 async def rule_standing(
@@ -348,21 +403,36 @@ async def rule_standing(
     rule shown ended, refused, expired or revoked never lets a call run, and one shown active does, but for the
     checks only a live call can make. ``keyring`` None: nothing sealed can be checked, so the best it says is
     ``unchecked``."""
+    unread = _standing_unread(rule, config=config, keyring=keyring, now=now)
+    if unread is not None:
+        return unread, None
+    return await _standing_read(_Reads(store), rule, config=config, keyring=keyring, now=now)
+
+
+def _standing_unread(rule: Rule, *, config: KazmaConfig, keyring: Keyring | None, now: float) -> RuleState | None:
+    """How ``rule`` stands from its own row and ``config`` alone, or None: its approval must be read to say."""
     if rule.revoked_at is not None:
-        return RuleState("revoked"), None
+        return RuleState("revoked")
     if now >= rule.expires_at:
-        return RuleState("expired"), None
+        return RuleState("expired")
     sealed = None if keyring is None else rule.seal_problem(keyring)
     if sealed is not None:
-        return RuleState("refused", sealed.detail, sealed.site), None
+        return RuleState("refused", sealed.detail, sealed.site)
     ended = _ended_by_config(rule, config)
     if ended is not None:
-        return RuleState("ended", ended), None
+        return RuleState("ended", ended)
+    return None
+
+
+async def _standing_read(
+    reads: _Reads, rule: Rule, *, config: KazmaConfig, keyring: Keyring | None, now: float
+) -> tuple[RuleState, ApprovalRequest | None]:
+    """The rest of :func:`rule_standing` for a rule its own row does not settle: its approval and audit rows."""
     try:
-        request = await store.get(rule.request_id)
+        request = await reads.request(rule.request_id)
     except UnreadableRequest as exc:  # a text in its row that is not UTF-8 (written around Kazma)
         return RuleState("refused", f"its approval {rule.request_id} cannot be read ({exc})", FORGED), None
-    forged = await _made_problem(store, rule, request, config, keyring)
+    forged = await _made_problem(reads, rule, request, config, keyring)
     if forged is not None:
         return RuleState("refused", forged.detail, forged.site), request
     assert request is not None  # else refused above
@@ -399,11 +469,11 @@ def _ended_by_config(rule: Rule, config: KazmaConfig) -> str | None:
 
 
 async def _made_problem(
-    store: ApprovalStore, rule: Rule, request: ApprovalRequest | None, config: KazmaConfig, keyring: Keyring | None
+    reads: _Reads, rule: Rule, request: ApprovalRequest | None, config: KazmaConfig, keyring: Keyring | None
 ) -> SealProblem | None:
     """Why ``rule``, its seal verified, is not one a person's "Approve for …" made from ``request`` (its approval,
     as read; None: none) for its call, or None. ``keyring`` None: every check but the seals."""
-    revoked = [e for e in await store.events(rule.request_id, event="rule_revoked") if e.detail == rule.id]
+    revoked = [e for e in await reads.events(rule.request_id, "rule_revoked") if e.detail == rule.id]
     if revoked:
         return SealProblem(
             f"it was revoked by {revoked[0].actor} (the audit says so), but its row says it is in force", FORGED
@@ -430,6 +500,6 @@ async def _made_problem(
             f"{rule.created_at - decided:.0f} s after it, until {rule.expires_at - decided:.0f} s after it)",
             FORGED,
         )
-    if not await decided_on_record(store, request):  # as an approval run from its card is held to
+    if not decided_among(await reads.events(request.id, "decided"), request):  # as a call run from its card is held
         return SealProblem(f"its approval {request.id} has no decided audit row (changed outside Kazma)", FORGED)
     return None

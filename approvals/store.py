@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, Final, NamedTuple, TypeVar, cast
 
 import aiosqlite
 import structlog
@@ -119,6 +119,8 @@ _CARD_COLUMNS = (
     "request_id, platform, chat, message_id, posted_at, settled_at, settled_status, whole, bound_to, reposted"
 )
 # One request, and its cards in the order they were posted (read through the store, or in a transaction).
+# Ids bound in one IN (...) of a batched read: below SQLite's oldest limit of 999 variables per statement.
+IDS_PER_QUERY: Final = 900
 _REQUEST_BY_ID = f"SELECT {_COLUMNS} FROM approval_requests WHERE id = ?"  # noqa: S608
 _CARDS_OF = f"SELECT {_CARD_COLUMNS} FROM approval_cards WHERE request_id = ? ORDER BY posted_at"  # noqa: S608
 
@@ -1415,6 +1417,41 @@ class ApprovalStore:
         return [
             AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7], r[8]) for r in rows
         ]
+
+    async def events_of(self, request_ids: Collection[str], events: Collection[str]) -> dict[str, list[AuditEvent]]:
+        """The audit events named ``events`` of each of ``request_ids``, oldest first, as :meth:`events` reads them
+        one request at a time: a query per :data:`IDS_PER_QUERY` requests (a listing of 1,000 rules read two per
+        rule). A request with none is absent."""
+        found: dict[str, list[AuditEvent]] = {}
+        ids, kinds = sorted(set(request_ids)), sorted(set(events))
+        if not kinds:
+            return found
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            part = ids[start : start + IDS_PER_QUERY]
+            rows = await self.tables.all(
+                "SELECT seq, request_id, event, actor, platform, at, args_hash, detail, person FROM approval_events "  # noqa: S608
+                f"WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({', '.join('?' * len(kinds))})"
+                " ORDER BY seq",
+                (*part, *kinds),
+            )
+            for r in rows:
+                event = AuditEvent(r[0], r[1], r[2], r[3], r[4], datetime.fromtimestamp(r[5], UTC), r[6], r[7], r[8])
+                found.setdefault(str(r[1]), []).append(event)
+        return found
+
+    async def requests_of(self, request_ids: Collection[str]) -> dict[str, ApprovalRequest | UnreadableRequest]:
+        """Each of ``request_ids`` as :meth:`get` reads it, a query per :data:`IDS_PER_QUERY`: the request, or the
+        :class:`UnreadableRequest` :meth:`get` would raise for it; one that does not exist is absent."""
+        found: dict[str, ApprovalRequest | UnreadableRequest] = {}
+        ids = sorted(set(request_ids))
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            part = ids[start : start + IDS_PER_QUERY]
+            rows, unreadable = await self._request_rows_and_unreadable(
+                _COLUMNS, f"FROM approval_requests WHERE id IN ({', '.join('?' * len(part))})", part
+            )
+            found.update((request.id, request) for request in map(_row_to_request, rows))
+            found.update((bad.request_id, bad) for bad in unreadable)
+        return found
 
     async def approved_not_started(self, live: Collection[str] | None = None) -> list[ApprovalRequest]:
         """Approved requests with no ``execution_started`` (nor an ``execution_lost`` already reported); with

@@ -153,7 +153,9 @@ class KazmaServices:
         return None if self._replication is None else await self._replication.health()
 
     def platform_health(self, replica: ReplicaHealth | None = None) -> list[PlatformHealth]:
-        return self._bus.health(None if replica is None else replica.leader_inbound)
+        if replica is None:
+            return self._bus.health()
+        return self._bus.health(replica.leader_inbound, leads=replica.leader)
 
     @property
     def console_decides(self) -> bool:

@@ -26,7 +26,7 @@ from kazma.bot import replication as replication_module
 from kazma.bot.app import App, build_app
 from kazma.bot.leader_inbound import LeaderInboundRecord
 from kazma.bot.replication import Replication
-from kazma.config import load_config_text
+from kazma.config import failpoints, load_config_text
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from kazma.config.store import leader
@@ -338,3 +338,125 @@ async def test_the_leader_says_inbound_recorded_on_a_change_not_at_each_rewrite_
             assert [e for e in logs if e["event"] == "replica.inbound_recorded"] == []
             assert await fakes.discord.drop_gateway(code=4014) == 1  # a change is said
             await until(lambda: _true(any(e["event"] == "replica.inbound_recorded" for e in logs)))
+
+
+async def test_a_new_leader_opening_its_gateway_says_opening_not_closed_on_every_replica(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a leader change the new leader's first record (and its own /healthz) said Discord's gateway was
+    "not open (it closed)" although it was being opened, and once the opening had begun, "serving" although no
+    interaction could arrive before READY. The gateway is held here while the new leader opens it: every replica
+    says "opening", counted down as a connection not open is, and "open" once it is."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press on either replica
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x:
+            await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+            async with (
+                replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+                served(a, tmp_path / "a") as a_url,
+                served(b, tmp_path / "b") as b_url,
+            ):
+                fakes.discord.gateway_open.clear()  # the new leader's gateway waits here, opening
+                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+                assert a.replication is not None
+                assert b.replication is not None
+                ra, rb = a.replication, b.replication
+                await until(lambda: _true(ra.is_leader or rb.is_leader))
+                (new, new_url), follower_url = ((a, a_url), b_url) if ra.is_leader else ((b, b_url), a_url)
+                assert new.replication is not None
+                holder = new.replication.replica
+                assert isinstance(new.stores.pg, PgStore)
+                tables = tables_of(new.stores.pg)
+
+                async def recorded() -> list[tuple[str, str]]:
+                    rows = await tables.all(
+                        "SELECT state, detail FROM leader_inbound WHERE platform = 'discord' AND replica = ?",
+                        (holder,),
+                    )
+                    return [tuple(r) for r in rows]
+
+                # The first record the new leader makes of Discord, and every one while the gateway is held.
+                await until(lambda: _not_empty(recorded()))
+                assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
+                opening = rf"platform discord: leader {holder}: inbound connection opening since {SINCE}"
+                status, lines = await healthz(follower_url)
+                assert re.fullmatch(opening, line_of(lines, "discord")), lines
+                _, lines = await healthz(new_url)
+                mine = rf"platform discord: inbound connection opening since {SINCE}"
+                assert re.fullmatch(mine, line_of(lines, "discord")), lines
+
+                # Down, yet Telegram's polling (opened meanwhile) takes presses: 200 on both.
+                telegram = rf"platform telegram: serving through the leader \({holder}\): inbound open since {SINCE}"
+
+                async def follower_says_telegram_open() -> bool:
+                    return re.fullmatch(telegram, line_of((await healthz(follower_url))[1], "telegram")) is not None
+
+                await until(follower_says_telegram_open)
+                for url in (follower_url, new_url):
+                    status, lines = await healthz(url)
+                    assert (status, lines[0]) == (200, "ok"), lines
+                    assert " opening since " in line_of(lines, "discord"), lines
+                looks = _count_looks(new.replication, monkeypatch)
+                await until(lambda: _true(looks[0] >= 5))  # five more looks with the gateway still held
+                assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
+
+                fakes.discord.gateway_open.set()
+                opened = rf"platform discord: serving through the leader \({holder}\): inbound open since {SINCE}"
+
+                async def follower_says_open() -> bool:
+                    return re.fullmatch(opened, line_of((await healthz(follower_url))[1], "discord")) is not None
+
+                await until(follower_says_open)
+                assert line_of((await healthz(new_url))[1], "discord") == "platform discord: serving"
+
+
+async def _not_empty(rows: Awaitable[list[T]]) -> bool:
+    return bool(await rows)
+
+
+def test_an_opening_connection_the_leader_recorded_counts_as_down_for_the_503_rule() -> None:
+    """Nothing comes in through a connection being opened: a follower counts it down, as the leader does its own."""
+    recorded = {"discord": InboundState(bus.INBOUND_OPENING, "inbound connection opening since 00:00:01 UTC", 1.0)}
+    health = bus._through_leader("discord", bus.LeaderInbound("b", recorded))
+    assert health == bus.PlatformHealth("discord", False, "leader b: inbound connection opening since 00:00:01 UTC")
+
+
+async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_itself(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between taking the lease and starting the leader's duties (held here by the leader.takeover failpoint) the
+    leader read its own platforms as a follower does, and said "inbound state unknown: the leader's record could
+    not be read" of the record it was about to write itself."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with (
+        three_fakes() as fakes,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x,
+    ):
+        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+        async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a, served(a, tmp_path / "a") as url:
+            replication = a.replication
+            assert replication is not None
+            failpoints.arm_for_test("leader.takeover=hang")  # the lease is taken, the duties wait
+            try:
+                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+                await until(lambda: _true(replication.is_leader))
+                status, lines = await healthz(url)
+            finally:
+                failpoints.disarm()
+            assert "replica a: leader" in lines
+            for platform in ("telegram", "discord"):
+                assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
+            assert (status, lines[0]) == (200, "ok"), lines  # Slack, served by every replica, takes presses

@@ -17,7 +17,7 @@ import pytest
 from kazma.adapters.card_layout import ButtonKind, view_of
 from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
 from kazma.approvals.policy import PolicyVerdict
-from kazma.approvals.rules import RuleStore
+from kazma.approvals.rules import RuleStore, rule_standing, rule_states
 from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
@@ -721,3 +721,32 @@ def test_rules_list_says_when_older_rules_are_left_off(tmp_path: Path, monkeypat
     assert listed == newest[::-1]
     assert oldest not in result.stdout
     assert "only the newest 2 rules are listed; older ones are left off" in result.stderr
+
+
+async def test_a_listing_reads_rules_alike_on_both_engines(store_engine: Engine) -> None:
+    """A listing reads every rule's approval and audit rows at once (ApprovalStore.requests_of, events_of): on
+    SQLite and on PostgreSQL it says of each rule what reading it alone says, whatever the ids' number."""
+    clock = ManualClock()
+    async with remembering_on(store_engine, clock) as (policy, publisher):
+        for definition in ("a" * 64, "b" * 64, "c" * 64):
+            await _remember_for(policy, publisher, definition, clock.now)
+        service = policy.service
+        assert service.rules is not None
+        [first, *_] = found = await service.rules.list(active_only=False)
+        await service.revoke_rule(first.id, actor="cli:ops", platform="cli")
+        found = await service.rules.list(active_only=False)
+        ids = [rule.request_id for rule in found] + ["no_such_request"]
+        store = service.store
+        assert await store.requests_of(ids) == {i: r for i in ids if (r := await store.get(i)) is not None}
+        kinds = ("decided", "rule_revoked")
+        one_by_one = {i: [e for k in kinds for e in await store.events(i, event=k)] for i in ids}
+        assert {i: sorted(e, key=lambda e: e.seq) for i, e in (await store.events_of(ids, kinds)).items()} == {
+            i: sorted(e, key=lambda e: e.seq) for i, e in one_by_one.items() if e
+        }
+        now = clock.now
+        alone = [
+            (await rule_standing(store, rule, config=service.config, keyring=TEST_KEYRING, now=now))[0]
+            for rule in found
+        ]
+        assert await rule_states(store, found, config=service.config, keyring=TEST_KEYRING, now=now) == alone
+        assert {state.name for state in alone} == {"active", "revoked"}

@@ -14,7 +14,8 @@ import aiosqlite
 import pytest
 
 from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressVerdict, SafetyPolicy
-from kazma.approvals.rules import Rule, RuleState, RuleStore, rule_states
+from kazma.approvals import store as approvals_store
+from kazma.approvals.rules import Rule, RuleState, RuleStore, rule_standing, rule_states
 from kazma.approvals.service import CardLocation
 from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
@@ -284,3 +285,60 @@ async def test_on_another_replica_a_rule_reads_the_same_and_one_sealed_with_a_ke
             assert used is None
         finally:
             await conn.close()
+
+
+async def test_a_listing_of_many_rules_reads_each_as_alone_in_a_few_queries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: rule_states read each rule's approval and its audit rows one rule at a time (three queries a rule:
+    `kazma approvals rules list --all` over 1,000 rules made 3,000 round trips). Now a listing reads them all at
+    once, and says of each exactly what reading that rule alone (the service's reading) says."""
+    async with a_store(tmp_path) as store:
+        made = [await store.remember() for _ in range(2)]
+        store.clock.advance(3000)  # these two run out before the others
+        made += [await store.remember(("telegram:111", "telegram:222")[i % 2]) for i in range(10)]
+        await _revoke(store, made[2])
+        await _revocation_undone_in_its_row(store, made[3])
+        await _approval_row_unreadable(store, made[4])
+        await _unsealed_row_lasting_longer(store, made[5])
+        await store.write(
+            "INSERT INTO approval_rules (id, tool, args_hash, conversation, created_by, created_via, request_id,"
+            " created_at, expires_at) VALUES ('rule_of_nothing', 'deploy', ?, ?, 'telegram:111', 'telegram',"
+            " 'no_such_request', ?, ?)",
+            (made[6].args_hash, HERE, store.clock(), store.clock() + 600),
+        )
+        store.clock.advance(700)
+        statements: list[str] = []
+        await store.conn.set_trace_callback(statements.append)
+        names: set[str] = set()
+        for config, keyring in ((CONFIG, TEST_KEYRING), (CONFIG, None), (CONFIG.replace("3600", "600"), TEST_KEYRING)):
+            service = store.service(config, keyring=keyring)
+            assert service.rules is not None
+            found = await service.rules.list(active_only=False)
+            alone = [
+                (await rule_standing(service.store, rule, config=service.config, keyring=keyring, now=store.clock()))[0]
+                for rule in found
+            ]
+            statements.clear()
+            listed = await rule_states(service.store, found, config=service.config, keyring=keyring, now=store.clock())
+            assert listed == alone
+            names |= {state.name for state in listed}
+            assert len([s for s in statements if "FROM approval_events" in s]) <= 1, statements
+            assert len([s for s in statements if "FROM approval_requests" in s]) <= 2, statements  # + an unreadable
+        assert names == {"active", "revoked", "expired", "refused", "ended", "unchecked"}
+
+        # Over more rules than one query binds: a query per part, the same states.
+        monkeypatch.setattr(approvals_store, "IDS_PER_QUERY", 4)
+        service = store.service()
+        found = await service.rules.list(active_only=False) if service.rules is not None else []
+        alone = [
+            (await rule_standing(service.store, rule, config=service.config, keyring=TEST_KEYRING, now=store.clock()))[
+                0
+            ]
+            for rule in found
+        ]
+        statements.clear()
+        listed = await rule_states(service.store, found, config=service.config, keyring=TEST_KEYRING, now=store.clock())
+        assert listed == alone
+        audit_reads = len([s for s in statements if "FROM approval_events" in s])
+        assert 2 <= audit_reads <= 3, statements
