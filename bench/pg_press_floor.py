@@ -135,6 +135,7 @@ def _server_cpu(pids: list[int]) -> float:
 class Side:
     seconds: float = 0.0
     server: float = 0.0
+    cpu: float = 0.0  # this process's CPU seconds on this side (time.process_time)
     presses: int = 0
 
     @property
@@ -144,6 +145,10 @@ class Side:
     @property
     def server_us(self) -> float:
         return self.server / self.presses * 1e6 if self.presses else 0.0
+
+    @property
+    def cpu_us(self) -> float:
+        return self.cpu / self.presses * 1e6 if self.presses else 0.0
 
 
 async def run_row(dsn: str, product_dsn: str | None, row: Row, requests: int, chunk: int) -> dict[str, Side]:
@@ -172,7 +177,7 @@ async def run_row(dsn: str, product_dsn: str | None, row: Row, requests: int, ch
             if product is not None and product_dsn is not None:
                 pids["product"] = await _sessions(raw, str(psycopg.conninfo.conninfo_to_dict(product_dsn)["dbname"]))
             for side in order:
-                began, server = time.perf_counter(), _server_cpu(pids[side])
+                began, server, cpu = time.perf_counter(), _server_cpu(pids[side]), time.process_time()
                 for n in numbers:
                     answer: Any
                     if side == "product" and product is not None:
@@ -194,6 +199,7 @@ async def run_row(dsn: str, product_dsn: str | None, row: Row, requests: int, ch
                 target = sides[side]
                 target.seconds += time.perf_counter() - began
                 target.server += _server_cpu(pids[side]) - server
+                target.cpu += time.process_time() - cpu
                 target.presses += len(numbers)
         return sides
     finally:
@@ -216,7 +222,7 @@ async def main() -> None:
     with PostgresServer() as server, server.database() as db:
         print(f"a throwaway test server, fsync off (pid {os.getpid()}): {args.requests} presses a side per row")
         print(f"{'run':<5}{'row':<28}{'by hand/s':>11}{'raw CAS/s':>11}{'÷ raw':>8}"
-              f"{'server µs by hand':>19}{'raw':>6}{'load 1m':>9}")  # fmt: skip
+              f"{'server µs by hand':>19}{'raw':>6}{'client µs by hand':>19}{'raw':>6}{'load 1m':>9}")  # fmt: skip
         for run in range(1, args.runs + 1):
             for row in ROWS:
                 names = [f"kazma_floor_{run}_{ROWS.index(row)}"] + ([f"kazma_product_{run}"] if row.product else [])
@@ -234,13 +240,14 @@ async def main() -> None:
                 ratio = floor.rate / bare.rate
                 ratios.setdefault(row.name, []).append(ratio)
                 print(f"{run:<5}{row.name:<28}{floor.rate:>11,.0f}{bare.rate:>11,.0f}{ratio:>8.3f}"
-                      f"{floor.server_us:>19.0f}{bare.server_us:>6.0f}{os.getloadavg()[0]:>9.2f}")  # fmt: skip
+                      f"{floor.server_us:>19.0f}{bare.server_us:>6.0f}{floor.cpu_us:>19.0f}{bare.cpu_us:>6.0f}"
+                      f"{os.getloadavg()[0]:>9.2f}")  # fmt: skip
                 if "product" in sides:
                     made = sides["product"]
                     ratios.setdefault("product ÷ all writes by hand", []).append(made.rate / floor.rate)
                     ratios.setdefault("product ÷ raw", []).append(made.rate / bare.rate)
                     print(f"{'':<5}{'  the product (1 press)':<28}{made.rate:>11,.0f}{'':>11}"
-                          f"{made.rate / bare.rate:>8.3f}{made.server_us:>19.0f}"
+                          f"{made.rate / bare.rate:>8.3f}{made.server_us:>19.0f}{'':>6}{made.cpu_us:>19.0f}"
                           f"   ÷ all writes by hand {made.rate / floor.rate:.3f}")  # fmt: skip
     print("medians (÷ raw psycopg compare-and-set unless said):")
     for name, values in ratios.items():
