@@ -798,7 +798,7 @@ async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_me
     """In HTTP mode events still come (they are signed with the signing secret, not the token): the first sign of a
     revoked bot token may be the channel-name lookup of an arriving message. It is the same refusal, said there;
     the message goes on without the name, and the reply is refused at once with the fix."""
-    # Bolt asks auth.test once, at the first request, and keeps its answer: a running Kazma had one long before.
+    # An earlier message, so this one's channel name is asked of Slack first with the refused token.
     await fake.post_event(events_url(adapter), fake.message_event(channel=OTHER, user=PERSON, text="earlier"))
     await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
     fake.revoke(fake.bot_token, "account_inactive")
@@ -811,6 +811,34 @@ async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_me
         await adapter.send_text(HOME, "the answer")
     assert info.value.operator_must_act
     assert fake.calls_to("chat.postMessage") == []
+
+
+async def test_a_bot_token_refused_before_the_first_request_loses_no_press_or_message(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """Bolt asked auth.test with the bot token at the first signed request it was handed and kept only a good
+    answer: revoked before this process's first event (a replica that had seen nothing yet), every press and
+    message was answered "Please install this app" and dropped before any listener, uncounted, and Slack still
+    "serving". A press is signed with the signing secret: it reaches the decision as before the refusal, and the
+    message its agent; Bolt asks Slack nothing of its own."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    response = await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    assert (response.status, response.body) == (200, "")
+    await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
+    assert (recorder.presses[0].data, recorder.presses[0].actor) == (f"kz1:{card.request_id}:a", f"slack:{ADMIN}")
+    await fake.post_event(events_url(adapter), fake.message_event(channel=HOME, user=PERSON, text="still here"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert recorder.inbound[0].text == "still here"
+    assert [c.error for c in fake.calls_to("auth.test")] == [None]  # the start's, and no other
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,10 @@ import structlog
 from aiohttp import web
 from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
 from slack_bolt.async_app import AsyncApp
+from slack_bolt.authorization import AuthorizeResult
+from slack_bolt.authorization.async_authorize import AsyncAuthorize
 from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_bolt.context.async_context import AsyncBoltContext
 from slack_bolt.middleware.async_middleware import AsyncMiddleware
 from slack_bolt.request.async_request import AsyncBoltRequest
 from slack_bolt.response import BoltResponse
@@ -198,6 +201,32 @@ class _ConnectionsClient(AsyncWebClient):
             raise
 
 
+class _StartAuthorized(AsyncAuthorize):
+    """Bolt's authorization of every request, from the ``auth.test`` answer of the adapter's start.
+
+    Left to itself, Bolt asks ``auth.test`` with the bot token at the first request it is handed and keeps only a
+    good answer: a token Slack refused before this process's first event or press (revoked, the app reinstalled,
+    on a replica that had seen nothing yet) had every signed request after it answered "Please install this app"
+    and dropped before any listener, presses included, while /healthz said Slack was serving. A press is signed
+    with the signing secret, not the token: it decides whatever Slack now answers the token."""
+
+    def __init__(self, adapter: SlackAdapter) -> None:
+        self.adapter = adapter
+
+    async def __call__(
+        self,
+        *,
+        context: AsyncBoltContext,
+        enterprise_id: str | None,
+        team_id: str | None,
+        user_id: str | None,
+        actor_enterprise_id: str | None = None,
+        actor_team_id: str | None = None,
+        actor_user_id: str | None = None,
+    ) -> AuthorizeResult | None:
+        return self.adapter._authorized  # None only before a start, when no request is served
+
+
 class _ReplayDoor(AsyncMiddleware):
     """:meth:`SlackAdapter._drop_replays` as Bolt's middleware."""
 
@@ -253,8 +282,13 @@ class SlackAdapter(PlatformBase):
         host = urlsplit(config.api_base_url).hostname or ""
         if self.client.proxy and host and proxy_bypass(host):
             self.client.proxy = self._card_client.proxy = None
+        self._authorized: AuthorizeResult | None = None  # Bolt's, from the start's auth.test (_StartAuthorized)
         self.app = AsyncApp(
-            client=self.client,
+            # Bolt's own client, which Kazma's listeners do not use: given the token, Bolt would ask auth.test with
+            # it on its own (and warn that the authorize below makes it unused); the token of each request's
+            # client is the start's authorization's.
+            client=AsyncWebClient(base_url=config.api_base_url, timeout=request_timeout, logger=_CLIENT_LOG),
+            authorize=_StartAuthorized(self),  # type: ignore[arg-type]  # Bolt annotates a function, takes this too
             signing_secret=config.signing_secret,
             # Bolt names its loggers after the app and, on every request, sets the app's logger to the root's level
             # of that moment. Named "kazma", that logger was the parent of all of Kazma's: a request handled while
@@ -380,6 +414,9 @@ class SlackAdapter(PlatformBase):
         self._token_refused = self._app_token_refused = None  # a start is the operator's "try again"
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
+        self._authorized = AuthorizeResult.from_auth_test_response(
+            bot_token=self.config.bot_token, auth_test_response=auth
+        )
         if not self.config.app_token:
             await self._start_http()
         log.info(
