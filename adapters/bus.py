@@ -33,6 +33,7 @@ from kazma.adapters.contract import (
     UpdatesCards,
     UrgentEdits,
     ingress_trouble,
+    presses_outlive_refusal,
     setup_refused,
     singleton_ingress,
 )
@@ -429,8 +430,19 @@ class FanOutBus:
                 return PlatformHealth(name, False, f"not started, tried {tries} times and trying again ({error})")
             return PlatformHealth(name, False, "starting")
         refused = setup_refused(adapter)
-        if refused is not None:
+        if refused is not None and not presses_outlive_refusal(adapter):
             return PlatformHealth(name, False, f"off, {refused}")
+        inbound = self._inbound_health(name, adapter, leader)
+        if refused is None:
+            return inbound
+        if inbound.takes_presses:
+            # "off" here sent an operator to a platform whose presses still decided (and a monitor, or a load
+            # balancer in front of Slack's HTTP events, away from them); what is refused is what it shows.
+            return PlatformHealth(name, True, f"presses still decide, card posts and edits refused: {refused}")
+        return PlatformHealth(name, False, f"off, {refused}; {inbound.state}")
+
+    def _inbound_health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None) -> PlatformHealth:
+        """A started platform's state by whether its presses come in."""
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
         if single is None or single.ingress_running:

@@ -357,6 +357,22 @@ def setup_refused(adapter: object) -> str | None:
     return adapter.setup_refused if isinstance(adapter, SetupRefused) else None
 
 
+@runtime_checkable
+class PressesOutliveRefusal(Protocol):
+    """A platform whose presses still reach Kazma and decide after it refused Kazma's setup (Slack refusing the bot
+    token: presses are signed with the signing secret, or come over Socket Mode's app-level token), while its card
+    posts and edits wait for the restart."""
+
+    @property
+    def presses_outlive_refusal(self) -> bool: ...
+
+
+def presses_outlive_refusal(adapter: object) -> bool:
+    """Whether presses on ``adapter``'s cards still decide after it refused Kazma's setup (see
+    :class:`PressesOutliveRefusal`); a platform that does not say so is off then."""
+    return isinstance(adapter, PressesOutliveRefusal) and adapter.presses_outlive_refusal
+
+
 def singleton_ingress(adapter: object) -> SingletonIngress | None:
     """``adapter`` when it has an ingress only the leader may run (start it with ``ingress=``), else None."""
     if isinstance(adapter, SingletonIngress) and adapter.has_singleton_ingress:

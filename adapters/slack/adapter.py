@@ -338,6 +338,10 @@ class SlackAdapter(PlatformBase):
     def setup_refused(self) -> str | None:
         return self._token_refused
 
+    # A refused bot token leaves presses deciding: they are signed with the signing secret (HTTP events) or come
+    # over the app-level token's socket, and Bolt authorizes them from the start's auth.test (_StartAuthorized).
+    presses_outlive_refusal = True
+
     def _refuse_token(self, site: str, exc: BaseException) -> None:
         """Slack refused the bot token on a call (see ``refuses_token``): said and counted once, and from now on no
         call is made with it (see ``_token_refused``)."""
