@@ -66,6 +66,13 @@ RETRY = Backoff(base=0.5, cap=60.0)
 START_RETRY = Backoff(base=1.0, cap=60.0)
 
 
+def _count_once(site: str, platform: str, exc: BaseException) -> None:
+    """Count a card post's or edit's failure, unless the adapter's own call counted it already (the kit counts each
+    failed call at its site): one failure counted twice read as two on kazma_failures_total."""
+    if not (isinstance(exc, PlatformError) and exc.counted):
+        count_failure(site, platform)
+
+
 def _passing(exc: BaseException) -> bool:
     """Whether a platform's start failed for a fault that may pass by itself (not a refused token or setting)."""
     if isinstance(exc, PlatformError):
@@ -814,7 +821,7 @@ class FanOutBus:
                     continue
                 ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
             except (PlatformError, TimeoutError) as exc:
-                count_failure("card_post", adapter.name)
+                _count_once("card_post", adapter.name, exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
                     log.warning(
@@ -943,7 +950,7 @@ class FanOutBus:
                         adapter.post_card_in(card, chat), self.platform_timeout, platform=adapter.name, site="card_post"
                     )
             except (PlatformError, TimeoutError) as exc:
-                count_failure("card_post", adapter.name)
+                _count_once("card_post", adapter.name, exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
                     await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
@@ -1165,7 +1172,7 @@ class FanOutBus:
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-            count_failure("card_settle", adapter.name)
+            _count_once("card_settle", adapter.name, exc)
             if not retryable:
                 # The card cannot be edited any more (deleted, or not ours): record that
                 # it is as settled as it will ever be, so the worker stops trying.

@@ -90,6 +90,9 @@ class PlatformError(Exception):
     an intent not enabled), which only the operator can change. Not retryable says only that the same call
     will fail again; a file deleted before Kazma fetched it is not retryable either, yet nobody's setup is
     wrong, and a person told "ask the operator" about it is sent the wrong way.
+
+    ``counted``: a failure counter (``count_failure``) has this failure already (the kit counts every call it
+    makes); whoever catches it counts it only when not, so one failure is one count.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class PlatformError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.operator_must_act = operator_must_act
+        self.counted = False
 
 
 @dataclass(frozen=True)

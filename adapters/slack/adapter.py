@@ -400,7 +400,9 @@ class SlackAdapter(PlatformBase):
             if cause is None or not refuses_token(cause):
                 raise
             self._refuse_token(site, cause)
-            raise self._token_error(site) from exc
+            error = self._token_error(site)
+            error.counted = exc.counted  # the kit counted the call's failure; this is that one failure, told better
+            raise error from exc
 
     @staticmethod
     def _new_streak() -> InboundStreak:
