@@ -1073,6 +1073,30 @@ async def test_a_rate_limited_file_download_is_waited_out(
     assert len(fake.downloads) == 2
 
 
+async def test_a_401_on_a_file_download_is_said_as_the_downloads_and_leaves_the_bot_token_in_use(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """A 401 on a file's url_private was told as "Slack refused the bot token" while Slack stayed on and the token
+    kept working: Slack answers a download with a token it does not take by its sign-in page, so a 401 is
+    another's (a proxy's). It is said as the download's refusal, counted once at file_fetch; the token is not taken
+    as refused (that would stop every post until a restart), and the next post goes."""
+    attachment = await shared_file(fake, adapter, recorder)
+    fake.fail(FILE_DOWNLOAD, "401")
+    before = failure_count("file_fetch", "slack"), failure_count("token_refused", "slack")
+    with pytest.raises(PlatformError) as info:
+        await attachment.fetch()
+    assert (info.value.site, info.value.retryable, info.value.operator_must_act) == ("file_fetch", False, True)
+    assert "HTTP 401: the file's download was refused" in str(info.value)
+    assert "refused the bot token" not in str(info.value)
+    assert (failure_count("file_fetch", "slack"), failure_count("token_refused", "slack")) == (
+        before[0] + 1,
+        before[1],
+    )
+    assert adapter.setup_refused is None
+    await adapter.send_text(HOME, "still posting")
+    assert fake.channel(HOME)[-1].text == "still posting"
+
+
 async def test_a_download_sent_to_the_sign_in_page_names_the_missing_scope(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
 ) -> None:
