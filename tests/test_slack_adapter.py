@@ -841,6 +841,34 @@ async def test_a_bot_token_refused_before_the_first_request_loses_no_press_or_me
     assert [c.error for c in fake.calls_to("auth.test")] == [None]  # the start's, and no other
 
 
+@pytest.mark.parametrize("verdict", [PressVerdict.WON, PressVerdict.LOST])
+async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_the_bot_token(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
+) -> None:
+    """With the bot token refused a press still decides, but its card is not edited and chat.postEphemeral is
+    refused too: the presser saw the buttons stay and heard nothing, whether their press decided or not. The
+    press's response URL needs no token: they are told there, and that the card stays as it is."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    recorder.press_result = PressResult(verdict, f"{verdict.value} <here>", request_id=card.request_id)
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    said = fake.responses[0]
+    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    assert said["text"] == f"{verdict.value} &lt;here&gt; {slack_adapter.CARD_NOT_EDITED}"
+    assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
+
+
 @pytest.mark.parametrize(
     ("kind", "code"),
     [("error", "ratelimited"), ("error", "fatal_error"), ("500", ""), ("error", "not_in_channel"),

@@ -133,18 +133,34 @@ REASON_BLOCK = "kazma_reason"
 REASON_INPUT = "reason"
 
 
-class _EphemeralReply:
-    """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately."""
+# Told to a presser whose press counted while Slack refuses the bot token: the card keeps its buttons here.
+CARD_NOT_EDITED: Final = (
+    "Slack refused Kazma's bot token, so this card is not edited here until the operator replaces the token."
+)
 
-    def __init__(self, adapter: SlackAdapter, channel: str, user: str) -> None:
+
+class _EphemeralReply:
+    """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately.
+
+    ``response_url``: the press's own (a button's, not a modal's). With the bot token refused no card is edited and
+    ``chat.postEphemeral`` is refused too: the presser heard nothing and saw the buttons stay, after a press that
+    decided. The response URL needs no token, so they are told there."""
+
+    def __init__(self, adapter: SlackAdapter, channel: str, user: str, response_url: str | None = None) -> None:
         self.adapter = adapter
         self.channel = channel
         self.user = user
+        self.response_url = response_url
 
     async def acknowledge(self, text: str) -> None:
-        return None  # the card, edited for everyone within moments, says it
+        # Otherwise the card, edited for everyone within moments, says it.
+        if self.adapter.setup_refused is not None and self.response_url:
+            await self._respond(f"{text} {CARD_NOT_EDITED}")
 
     async def notify(self, text: str) -> None:
+        if self.adapter.setup_refused is not None and self.response_url:
+            await self._respond(f"{text} {CARD_NOT_EDITED}")
+            return
         if not self.channel or not self.user:
             return
         await self.adapter.call(
@@ -153,6 +169,11 @@ class _EphemeralReply:
             lambda: self.adapter.client.chat_postEphemeral(channel=self.channel, user=self.user, text=escape(text)),
             paced=False,
         )
+
+    async def _respond(self, text: str) -> None:
+        url = self.response_url
+        assert url is not None
+        await self.adapter.respond(url, escape(text))
 
 
 class _FallBack(Exception):
@@ -687,6 +708,23 @@ class SlackAdapter(PlatformBase):
             self._titles[channel] = title
         return title
 
+    async def respond(self, url: str, text: str) -> None:
+        """Say ``text`` (mrkdwn) privately to whoever pressed, through the press's ``response_url``: no token, so
+        also while Slack refuses the bot token (the kit's call, not :meth:`call`, which refuses at once then)."""
+        session = self._session
+        if session is None:
+            raise self.refuse("press_reply", "the adapter is not started", retryable=True)
+
+        async def post() -> None:
+            body = {"text": text, "response_type": "ephemeral", "replace_original": False}
+            async with session.post(url, json=body, allow_redirects=False) as response:
+                if response.status != 200:  # counted once, by the kit's call
+                    raise PlatformError(
+                        PLATFORM, "press_reply", f"the response URL answered HTTP {response.status}", retryable=False
+                    )
+
+        await PlatformBase.call(self, "press_reply", None, post, paced=False)
+
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
             session = self._session
@@ -753,7 +791,9 @@ class SlackAdapter(PlatformBase):
                 is_admin=self.is_admin(user),
                 signed=tuple(context.get(_SIGNED, ())),
             )
-            await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
+            responds = body.get("response_url")
+            reply = _EphemeralReply(self, channel, user, responds if isinstance(responds, str) else None)
+            await self.press(press, reply, key=interaction_key(body, action))
 
     async def _on_deny_reason(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
         """ "Deny with reason": a modal asks for it (Slack keeps where the card is in the view's metadata)."""
