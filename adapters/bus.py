@@ -370,14 +370,15 @@ class FanOutBus:
 
     def ingress_missing(self) -> list[str]:
         """The started platforms whose singleton ingress is not open (after a failed start_ingress). One that
-        refused Kazma's setup while it ran is not: opening it again could only be refused again."""
+        refused Kazma's setup while it ran is not, opening it again could only be refused again, unless its
+        presses outlive that refusal (Slack's socket is the app-level token's, not the refused bot token's)."""
         return [
             name
             for name, adapter in self.adapters.items()
             if name in self._started
             and (single := singleton_ingress(adapter))
             and not single.ingress_running
-            and setup_refused(adapter) is None
+            and (setup_refused(adapter) is None or presses_outlive_refusal(adapter))
         ]
 
     async def _each_ingress(self, what: str) -> None:

@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 
 from kazma.adapters import bus, kit
+from kazma.adapters.contract import PlatformError
+from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import Decision
 from kazma.approvals.model import Status
@@ -22,8 +24,9 @@ from kazma.bot.app import App
 from kazma.bot.console.server import WebServer
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
+from tests.fakes.slack import FAKE_APP_TOKEN
 from tests.fakes.telegram import Fault
-from tests.platforms_support import SLACK_ADMIN, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
+from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
 
 
 @contextlib.asynccontextmanager
@@ -319,6 +322,38 @@ async def test_slack_refusing_the_bot_token_is_said_once_presses_still_decide_an
             async with asyncio.timeout(20):  # the kept posts are handled at once too (their requests ended)
                 while [r for r, p, _, _ in await outbox.pending() if p == "slack"]:
                     await asyncio.sleep(0.02)
+
+
+async def test_slack_s_socket_is_opened_again_while_the_bot_token_is_refused_and_its_presses_still_decide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Socket Mode: the socket comes over the app-level token, so presses still decide while Slack refuses the bot
+    token. A leader's ingress check left out every platform that refused Kazma's setup (right for Discord, whose
+    gateway is its token's), so a Slack socket not open then (its opening failed as the replica took the lead) was
+    never opened again: no press came in until a restart. Now it is opened again, and /healthz says the presses
+    decide."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
+
+    def socket_mode(text: str) -> str:
+        return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
+
+    async with (
+        three_fakes() as fakes,
+        kazma_on(fakes, tmp_path / "k.db", edit=socket_mode) as app,
+        served(app, tmp_path) as url,
+    ):
+        slack = app.bus.adapters["slack"]
+        assert isinstance(slack, SlackAdapter)
+        await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
+        fakes.slack.revoke(fakes.slack.bot_token)
+        with pytest.raises(PlatformError):
+            await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+        opened = len(fakes.slack.calls_to("apps.connections.open"))
+        await slack.stop_ingress()  # as after an opening that failed when this replica took the lead
+        await until(lambda: len(fakes.slack.calls_to("apps.connections.open")) > opened and slack.ingress_running)
+        await until(lambda: fakes.slack.socket_connected)
+        line = await _still_deciding_without(url, "slack")
+        assert line.startswith("platform slack: presses still decide, card posts and edits refused: "), line
 
 
 async def _post_ended(outbox: object, request_id: str, platform: str) -> bool:
