@@ -680,7 +680,8 @@ class SlackAdapter(PlatformBase):
                 home = await handlers.home(self.actor(user), PLATFORM)
                 await self.call("home", None, lambda: self.client.views_publish(user_id=user, view=home_view(home)))
             except Exception as exc:  # the home tab is a view of what is stored: nothing is lost
-                count_failure("home", PLATFORM)
+                if not (isinstance(exc, PlatformError) and exc.counted):  # views.publish's failure: counted by call
+                    count_failure("home", PLATFORM)
                 log.warning("slack.home_failed", user=user, error=str(exc))
                 return
             log.info("slack.home_published", user=user, waiting=len(home.waiting) + home.more)
