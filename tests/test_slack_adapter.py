@@ -30,7 +30,7 @@ from kazma.adapters.contract import (
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack import adapter as slack_adapter
-from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -867,6 +867,31 @@ async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_th
     assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
     assert said["text"] == f"{verdict.value} &lt;here&gt; {slack_adapter.CARD_NOT_EDITED}"
     assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
+
+
+async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """ "Deny with reason" opens a modal with views.open, which the refused bot token cannot: the listener failed
+    with the refusal and the presser saw nothing happen. They are told through the press's response URL that the
+    form cannot open and to press Deny; nothing is decided."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=DENY_REASON_ACTION,
+        value=f"kz1:{card.request_id}:n",
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    assert fake.responses[0]["response_type"] == "ephemeral"
+    assert fake.responses[0]["text"] == slack_adapter.REASON_FORM_REFUSED
+    assert (fake.calls_to("views.open"), fake.views, recorder.presses) == ([], [], [])
 
 
 @pytest.mark.parametrize(

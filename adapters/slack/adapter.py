@@ -139,6 +139,13 @@ CARD_NOT_EDITED: Final = (
 )
 
 
+# Told to a presser of "Deny with reason" while Slack refuses the bot token: views.open cannot open the form.
+REASON_FORM_REFUSED: Final = (
+    "The reason form cannot open: Slack refused Kazma's bot token. Press Deny to deny without a reason, or give "
+    "it on the request's approval page."
+)
+
+
 class _EphemeralReply:
     """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately.
 
@@ -836,12 +843,19 @@ class SlackAdapter(PlatformBase):
                     }
                 ],
             }  # fmt: skip
-            await self.call(
-                "reason_modal",
-                channel or None,
-                lambda: self.client.views_open(trigger_id=trigger, view=view),
-                paced=False,
-            )
+            try:
+                await self.call(
+                    "reason_modal",
+                    channel or None,
+                    lambda: self.client.views_open(trigger_id=trigger, view=view),
+                    paced=False,
+                )
+            except PlatformError:
+                responds = body.get("response_url")
+                if self.setup_refused is None or not isinstance(responds, str):
+                    raise
+                # The press's response URL needs no token: they learn the form will not come, not nothing at all.
+                await self.respond(responds, escape(REASON_FORM_REFUSED))
 
     async def _on_reason(self, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         """The modal was submitted: the Deny, with the words, through the one press policy."""
