@@ -33,6 +33,7 @@ from kazma.adapters.contract import (
     UpdatesCards,
     UrgentEdits,
     ingress_trouble,
+    presses_outlive_refusal,
     setup_refused,
     singleton_ingress,
 )
@@ -63,6 +64,13 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 # A platform whose start failed for a fault that may pass (the platform answered 5xx, or nothing) is started again.
 START_RETRY = Backoff(base=1.0, cap=60.0)
+
+
+def _count_once(site: str, platform: str, exc: BaseException) -> None:
+    """Count a card post's or edit's failure, unless the adapter's own call counted it already (the kit counts each
+    failed call at its site): one failure counted twice read as two on kazma_failures_total."""
+    if not (isinstance(exc, PlatformError) and exc.counted):
+        count_failure(site, platform)
 
 
 def _passing(exc: BaseException) -> bool:
@@ -377,14 +385,15 @@ class FanOutBus:
 
     def ingress_missing(self) -> list[str]:
         """The started platforms whose singleton ingress is not open (after a failed start_ingress). One that
-        refused Kazma's setup while it ran is not: opening it again could only be refused again."""
+        refused Kazma's setup while it ran is not, opening it again could only be refused again, unless its
+        presses outlive that refusal (Slack's socket is the app-level token's, not the refused bot token's)."""
         return [
             name
             for name, adapter in self.adapters.items()
             if name in self._started
             and (single := singleton_ingress(adapter))
             and not single.ingress_running
-            and setup_refused(adapter) is None
+            and (setup_refused(adapter) is None or presses_outlive_refusal(adapter))
         ]
 
     async def _each_ingress(self, what: str) -> None:
@@ -466,8 +475,19 @@ class FanOutBus:
                 return PlatformHealth(name, False, f"not started, tried {tries} times and trying again ({error})")
             return PlatformHealth(name, False, "starting")
         refused = setup_refused(adapter)
-        if refused is not None:
+        if refused is not None and not presses_outlive_refusal(adapter):
             return PlatformHealth(name, False, f"off, {refused}")
+        inbound = self._inbound_health(name, adapter, leader)
+        if refused is None:
+            return inbound
+        if inbound.takes_presses:
+            # "off" here sent an operator to a platform whose presses still decided (and a monitor, or a load
+            # balancer in front of Slack's HTTP events, away from them); what is refused is what it shows.
+            return PlatformHealth(name, True, f"presses still decide, card posts and edits refused: {refused}")
+        return PlatformHealth(name, False, f"off, {refused}; {inbound.state}")
+
+    def _inbound_health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None) -> PlatformHealth:
+        """A started platform's state by whether its presses come in."""
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
         if single is not None and self._leading and name in self._opening:
@@ -849,7 +869,7 @@ class FanOutBus:
                     continue
                 ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
             except (PlatformError, TimeoutError) as exc:
-                count_failure("card_post", adapter.name)
+                _count_once("card_post", adapter.name, exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
                     log.warning(
@@ -978,7 +998,7 @@ class FanOutBus:
                         adapter.post_card_in(card, chat), self.platform_timeout, platform=adapter.name, site="card_post"
                     )
             except (PlatformError, TimeoutError) as exc:
-                count_failure("card_post", adapter.name)
+                _count_once("card_post", adapter.name, exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
                     await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
@@ -1200,7 +1220,7 @@ class FanOutBus:
         except (PlatformError, TimeoutError) as exc:
             retryable = isinstance(exc, TimeoutError) or exc.retryable
             retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-            count_failure("card_settle", adapter.name)
+            _count_once("card_settle", adapter.name, exc)
             if not retryable:
                 # The card cannot be edited any more (deleted, or not ours): record that
                 # it is as settled as it will ever be, so the worker stops trying.

@@ -90,6 +90,9 @@ class PlatformError(Exception):
     an intent not enabled), which only the operator can change. Not retryable says only that the same call
     will fail again; a file deleted before Kazma fetched it is not retryable either, yet nobody's setup is
     wrong, and a person told "ask the operator" about it is sent the wrong way.
+
+    ``counted``: a failure counter (``count_failure``) has this failure already (the kit counts every call it
+    makes); whoever catches it counts it only when not, so one failure is one count.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class PlatformError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.operator_must_act = operator_must_act
+        self.counted = False
 
 
 @dataclass(frozen=True)
@@ -355,6 +359,22 @@ class SetupRefused(Protocol):
 def setup_refused(adapter: object) -> str | None:
     """What ``adapter``'s platform refused of Kazma's setup while it ran (see :class:`SetupRefused`), or None."""
     return adapter.setup_refused if isinstance(adapter, SetupRefused) else None
+
+
+@runtime_checkable
+class PressesOutliveRefusal(Protocol):
+    """A platform whose presses still reach Kazma and decide after it refused Kazma's setup (Slack refusing the bot
+    token: presses are signed with the signing secret, or come over Socket Mode's app-level token), while its card
+    posts and edits wait for the restart."""
+
+    @property
+    def presses_outlive_refusal(self) -> bool: ...
+
+
+def presses_outlive_refusal(adapter: object) -> bool:
+    """Whether presses on ``adapter``'s cards still decide after it refused Kazma's setup (see
+    :class:`PressesOutliveRefusal`); a platform that does not say so is off then."""
+    return isinstance(adapter, PressesOutliveRefusal) and adapter.presses_outlive_refusal
 
 
 def singleton_ingress(adapter: object) -> SingletonIngress | None:

@@ -893,6 +893,7 @@ class PlatformBase(PressPolicy):
 
     def failed(self, site: str, chat: str | None, error: PlatformError) -> None:
         count_failure(site, self.name)
+        error.counted = True
         log.warning(
             "platform.call_failed",
             site=site,

@@ -124,6 +124,30 @@ async def test_one_failing_platform_does_not_hold_back_the_others(tmp_path: Path
             assert attempts >= 2
 
 
+async def test_a_failed_slack_card_post_and_edit_count_once_each(tmp_path: Path) -> None:
+    """Slack answering a card's post, then its edit, 500 once: the kit counted each failed call at its site and the
+    bus counted the same failure again at the same site, so ``kazma_failures_total{site="card_post"}`` and
+    ``{site="card_settle"}`` read two for one failure."""
+    async with three_fakes() as fakes:
+        fakes.slack.fail("chat.postMessage", "500")
+        fakes.slack.fail("chat.update", "500")
+        posts, settles = failure_count("card_post", "slack"), failure_count("card_settle", "slack")
+        async with kazma_on(fakes, tmp_path / "k.db", request_timeout=1.0) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001")
+            await fakes.wait(lambda: all(fakes.posted(p) for p in PLATFORMS), timeout=30)
+            assert [c.error for c in fakes.slack.calls_to("chat.postMessage")] == ["internal_error", None]
+            assert failure_count("card_post", "slack") == posts + 1
+            decided = await app.service.decide(
+                request.id, Decision.APPROVE, actor=f"slack:{SLACK_ADMIN}", platform="slack"
+            )
+            assert decided.won
+            async with asyncio.timeout(30):
+                while not all(c.settled_at for c in await app.service.store.cards(request.id)):
+                    await asyncio.sleep(0.02)
+            assert [c.error for c in fakes.slack.calls_to("chat.update")] == ["internal_error", None]
+            assert failure_count("card_settle", "slack") == settles + 1
+
+
 async def test_telegram_429_is_waited_out_then_posted(tmp_path: Path) -> None:
     async with three_fakes() as fakes:
         fakes.telegram.script("sendMessage", Fault("retry_after", retry_after=1))

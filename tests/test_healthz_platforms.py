@@ -14,15 +14,19 @@ import aiohttp
 import pytest
 
 from kazma.adapters import bus, kit
+from kazma.adapters.contract import PlatformError
+from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.web import WebAdapter
 from kazma.approvals import Decision
+from kazma.approvals.model import Status
 from kazma.bot import lifecycle
 from kazma.bot.app import App
 from kazma.bot.console.server import WebServer
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
+from tests.fakes.slack import FAKE_APP_TOKEN
 from tests.fakes.telegram import Fault
-from tests.platforms_support import SLACK_ADMIN, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
+from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
 
 
 @contextlib.asynccontextmanager
@@ -245,14 +249,15 @@ async def until_async(predicate: Callable[[], object], timeout: float = 20.0) ->
             await asyncio.sleep(0.02)
 
 
-async def test_slack_refusing_the_bot_token_while_running_is_healthz_off_said_once_and_cards_wait_for_the_restart(
+async def test_slack_refusing_the_bot_token_is_said_once_presses_still_decide_and_cards_wait_for_the_restart(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The app's bot token revoked while Kazma ran (Slack answers every call with it ``token_revoked``): each card's
     Slack post was tried and given up with only "slack card_post: token_revoked", every later card asked Slack
     again with the refused token, nothing said the token was refused or what to do, and /healthz said
     "platform slack: serving". Now the refusal is said once (``slack.token_refused``, counted at
-    ``token_refused``), /healthz says Slack is off and how to fix it, and later cards are not sent to Slack,
+    ``token_refused``), /healthz says that presses on Slack still decide (they do) but its card posts and edits
+    are refused, and how to fix it, and later cards are not sent to Slack,
     while Telegram and Discord show them. What Slack owes waits, not given up (given up, a card decided meanwhile
     kept its buttons on Slack after the operator's restart with a new token), and goes at the restart, not when
     the backoff of its refused tries runs out."""
@@ -271,17 +276,23 @@ async def test_slack_refusing_the_bot_token_while_running_is_healthz_off_said_on
             posts = len(fakes.slack.calls_to("chat.postMessage"))
             assert fakes.slack.calls_to("chat.postMessage")[-1].error == "token_revoked"
             slack = await _still_deciding_without(url, "slack")  # Telegram and Discord still take presses
-            assert slack.startswith("platform slack: off, Slack refused the bot token (token_revoked"), slack
+            assert slack.startswith(
+                "platform slack: presses still decide, card posts and edits refused: Slack refused the bot token "
+                "(token_revoked"
+            ), slack
             assert slack.endswith("put its Bot User OAuth Token (xoxb-) in platforms.slack.bot_token and restart Kazma")
+            assert isinstance(app.bus, bus.FanOutBus)
+            assert [h.takes_presses for h in app.bus.health() if h.platform == "slack"] == [True]
 
             second = await app.service.open("shell", {"command": "make two"}, "api:ci", "api:ci")
             await until(lambda: "make two" in fakes.card_text("telegram") and "make two" in fakes.card_text("discord"))
-            assert (
-                await app.service.decide(
-                    decided.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}", platform="telegram"
-                )
-            ).won
-            assert isinstance(app.bus, bus.FanOutBus)
+            # What /healthz says is so: a press on the Slack card shown before the refusal decides (it is signed
+            # with the signing secret, not the token)
+            await fakes.press("slack", Decision.APPROVE)
+            async with asyncio.timeout(20):
+                while (done := await app.service.store.get(decided.id)) is None or done.status is not Status.APPROVED:
+                    await asyncio.sleep(0.02)
+            assert done.decided_by == f"slack:{SLACK_ADMIN}"
             outbox = app.bus.outbox
 
             async def kept() -> bool:  # both Slack posts wait, each saying why
@@ -311,6 +322,38 @@ async def test_slack_refusing_the_bot_token_while_running_is_healthz_off_said_on
             async with asyncio.timeout(20):  # the kept posts are handled at once too (their requests ended)
                 while [r for r, p, _, _ in await outbox.pending() if p == "slack"]:
                     await asyncio.sleep(0.02)
+
+
+async def test_slack_s_socket_is_opened_again_while_the_bot_token_is_refused_and_its_presses_still_decide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Socket Mode: the socket comes over the app-level token, so presses still decide while Slack refuses the bot
+    token. A leader's ingress check left out every platform that refused Kazma's setup (right for Discord, whose
+    gateway is its token's), so a Slack socket not open then (its opening failed as the replica took the lead) was
+    never opened again: no press came in until a restart. Now it is opened again, and /healthz says the presses
+    decide."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
+
+    def socket_mode(text: str) -> str:
+        return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
+
+    async with (
+        three_fakes() as fakes,
+        kazma_on(fakes, tmp_path / "k.db", edit=socket_mode) as app,
+        served(app, tmp_path) as url,
+    ):
+        slack = app.bus.adapters["slack"]
+        assert isinstance(slack, SlackAdapter)
+        await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
+        fakes.slack.revoke(fakes.slack.bot_token)
+        with pytest.raises(PlatformError):
+            await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+        opened = len(fakes.slack.calls_to("apps.connections.open"))
+        await slack.stop_ingress()  # as after an opening that failed when this replica took the lead
+        await until(lambda: len(fakes.slack.calls_to("apps.connections.open")) > opened and slack.ingress_running)
+        await until(lambda: fakes.slack.socket_connected)
+        line = await _still_deciding_without(url, "slack")
+        assert line.startswith("platform slack: presses still decide, card posts and edits refused: "), line
 
 
 async def _post_ended(outbox: object, request_id: str, platform: str) -> bool:

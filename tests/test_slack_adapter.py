@@ -30,7 +30,7 @@ from kazma.adapters.contract import (
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack import adapter as slack_adapter
-from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, REMEMBER_ACTION
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -798,7 +798,7 @@ async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_me
     """In HTTP mode events still come (they are signed with the signing secret, not the token): the first sign of a
     revoked bot token may be the channel-name lookup of an arriving message. It is the same refusal, said there;
     the message goes on without the name, and the reply is refused at once with the fix."""
-    # Bolt asks auth.test once, at the first request, and keeps its answer: a running Kazma had one long before.
+    # An earlier message, so this one's channel name is asked of Slack first with the refused token.
     await fake.post_event(events_url(adapter), fake.message_event(channel=OTHER, user=PERSON, text="earlier"))
     await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
     fake.revoke(fake.bot_token, "account_inactive")
@@ -811,6 +811,87 @@ async def test_a_bot_token_refused_on_a_channels_name_turns_slack_off_and_the_me
         await adapter.send_text(HOME, "the answer")
     assert info.value.operator_must_act
     assert fake.calls_to("chat.postMessage") == []
+
+
+async def test_a_bot_token_refused_before_the_first_request_loses_no_press_or_message(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """Bolt asked auth.test with the bot token at the first signed request it was handed and kept only a good
+    answer: revoked before this process's first event (a replica that had seen nothing yet), every press and
+    message was answered "Please install this app" and dropped before any listener, uncounted, and Slack still
+    "serving". A press is signed with the signing secret: it reaches the decision as before the refusal, and the
+    message its agent; Bolt asks Slack nothing of its own."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    response = await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    assert (response.status, response.body) == (200, "")
+    await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
+    assert (recorder.presses[0].data, recorder.presses[0].actor) == (f"kz1:{card.request_id}:a", f"slack:{ADMIN}")
+    await fake.post_event(events_url(adapter), fake.message_event(channel=HOME, user=PERSON, text="still here"))
+    await recorder.signal.wait_until(lambda: len(recorder.inbound) == 1)
+    assert recorder.inbound[0].text == "still here"
+    assert [c.error for c in fake.calls_to("auth.test")] == [None]  # the start's, and no other
+
+
+@pytest.mark.parametrize("verdict", [PressVerdict.WON, PressVerdict.LOST])
+async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_the_bot_token(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
+) -> None:
+    """With the bot token refused a press still decides, but its card is not edited and chat.postEphemeral is
+    refused too: the presser saw the buttons stay and heard nothing, whether their press decided or not. The
+    press's response URL needs no token: they are told there, and that the card stays as it is."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    recorder.press_result = PressResult(verdict, f"{verdict.value} <here>", request_id=card.request_id)
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    said = fake.responses[0]
+    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    assert said["text"] == f"{verdict.value} &lt;here&gt; {slack_adapter.CARD_NOT_EDITED}"
+    assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
+
+
+async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """ "Deny with reason" opens a modal with views.open, which the refused bot token cannot: the listener failed
+    with the refusal and the presser saw nothing happen. They are told through the press's response URL that the
+    form cannot open and to press Deny; nothing is decided."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=DENY_REASON_ACTION,
+        value=f"kz1:{card.request_id}:n",
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    assert fake.responses[0]["response_type"] == "ephemeral"
+    assert fake.responses[0]["text"] == slack_adapter.REASON_FORM_REFUSED
+    assert (fake.calls_to("views.open"), fake.views, recorder.presses) == ([], [], [])
 
 
 @pytest.mark.parametrize(
@@ -1043,6 +1124,30 @@ async def test_a_rate_limited_file_download_is_waited_out(
     fake.fail(FILE_DOWNLOAD, "429", retry_after=0)
     assert await attachment.fetch() == b"line 1\n"
     assert len(fake.downloads) == 2
+
+
+async def test_a_401_on_a_file_download_is_said_as_the_downloads_and_leaves_the_bot_token_in_use(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
+) -> None:
+    """A 401 on a file's url_private was told as "Slack refused the bot token" while Slack stayed on and the token
+    kept working: Slack answers a download with a token it does not take by its sign-in page, so a 401 is
+    another's (a proxy's). It is said as the download's refusal, counted once at file_fetch; the token is not taken
+    as refused (that would stop every post until a restart), and the next post goes."""
+    attachment = await shared_file(fake, adapter, recorder)
+    fake.fail(FILE_DOWNLOAD, "401")
+    before = failure_count("file_fetch", "slack"), failure_count("token_refused", "slack")
+    with pytest.raises(PlatformError) as info:
+        await attachment.fetch()
+    assert (info.value.site, info.value.retryable, info.value.operator_must_act) == ("file_fetch", False, True)
+    assert "HTTP 401: the file's download was refused" in str(info.value)
+    assert "refused the bot token" not in str(info.value)
+    assert (failure_count("file_fetch", "slack"), failure_count("token_refused", "slack")) == (
+        before[0] + 1,
+        before[1],
+    )
+    assert adapter.setup_refused is None
+    await adapter.send_text(HOME, "still posting")
+    assert fake.channel(HOME)[-1].text == "still posting"
 
 
 async def test_a_download_sent_to_the_sign_in_page_names_the_missing_scope(

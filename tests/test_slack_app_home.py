@@ -7,6 +7,7 @@ lets nobody DM an app whose Messages tab is off.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from kazma.adapters.slack.setup import slack_manifest
 from kazma.approvals.model import Decision, PressVerdict
 from kazma.config import load_config_text
+from kazma.config.metrics import failure_count
 from tests.platforms_support import SLACK_ADMIN, kazma_on, three_fakes
 
 STRANGER = "U0STRANGER"
@@ -127,3 +129,18 @@ async def test_the_home_tab_judges_each_request_by_its_policy_as_a_press_is_judg
         assert refused.verdict is PressVerdict.REFUSED
         won = await app.service.decide(deploy.id, Decision.DENY, actor=f"slack:{DAVE}", platform="slack")
         assert won.verdict is PressVerdict.WON
+
+
+async def test_a_home_tab_slack_refuses_to_publish_counts_once(tmp_path: Path) -> None:
+    """views.publish answered 500: the kit counted the failed call at ``home`` and the listener counted the same
+    failure again there, so ``kazma_failures_total{site="home"}`` read two for one Home tab not shown."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db"):
+        assert fakes.slack_events_url is not None
+        fakes.slack.fail("views.publish", "500")
+        before = failure_count("home", "slack")
+        await fakes.slack.post_event(fakes.slack_events_url, fakes.slack.app_home_opened(SLACK_ADMIN))
+        async with asyncio.timeout(20):  # both counts, when there were two, came in one step of the listener
+            while failure_count("home", "slack") == before:
+                await asyncio.sleep(0.02)
+        assert failure_count("home", "slack") == before + 1
+        assert SLACK_ADMIN not in fakes.slack.home_tabs

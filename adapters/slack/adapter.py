@@ -33,7 +33,10 @@ import structlog
 from aiohttp import web
 from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
 from slack_bolt.async_app import AsyncApp
+from slack_bolt.authorization import AuthorizeResult
+from slack_bolt.authorization.async_authorize import AsyncAuthorize
 from slack_bolt.context.ack.async_ack import AsyncAck
+from slack_bolt.context.async_context import AsyncBoltContext
 from slack_bolt.middleware.async_middleware import AsyncMiddleware
 from slack_bolt.request.async_request import AsyncBoltRequest
 from slack_bolt.response import BoltResponse
@@ -130,18 +133,41 @@ REASON_BLOCK = "kazma_reason"
 REASON_INPUT = "reason"
 
 
-class _EphemeralReply:
-    """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately."""
+# Told to a presser whose press counted while Slack refuses the bot token: the card keeps its buttons here.
+CARD_NOT_EDITED: Final = (
+    "Slack refused Kazma's bot token, so this card is not edited here until the operator replaces the token."
+)
 
-    def __init__(self, adapter: SlackAdapter, channel: str, user: str) -> None:
+
+# Told to a presser of "Deny with reason" while Slack refuses the bot token: views.open cannot open the form.
+REASON_FORM_REFUSED: Final = (
+    "The reason form cannot open: Slack refused Kazma's bot token. Press Deny to deny without a reason, or give "
+    "it on the request's approval page."
+)
+
+
+class _EphemeralReply:
+    """A press on Slack was acknowledged already; the card edit is the winner's answer, others hear privately.
+
+    ``response_url``: the press's own (a button's, not a modal's). With the bot token refused no card is edited and
+    ``chat.postEphemeral`` is refused too: the presser heard nothing and saw the buttons stay, after a press that
+    decided. The response URL needs no token, so they are told there."""
+
+    def __init__(self, adapter: SlackAdapter, channel: str, user: str, response_url: str | None = None) -> None:
         self.adapter = adapter
         self.channel = channel
         self.user = user
+        self.response_url = response_url
 
     async def acknowledge(self, text: str) -> None:
-        return None  # the card, edited for everyone within moments, says it
+        # Otherwise the card, edited for everyone within moments, says it.
+        if self.adapter.setup_refused is not None and self.response_url:
+            await self._respond(f"{text} {CARD_NOT_EDITED}")
 
     async def notify(self, text: str) -> None:
+        if self.adapter.setup_refused is not None and self.response_url:
+            await self._respond(f"{text} {CARD_NOT_EDITED}")
+            return
         if not self.channel or not self.user:
             return
         await self.adapter.call(
@@ -150,6 +176,11 @@ class _EphemeralReply:
             lambda: self.adapter.client.chat_postEphemeral(channel=self.channel, user=self.user, text=escape(text)),
             paced=False,
         )
+
+    async def _respond(self, text: str) -> None:
+        url = self.response_url
+        assert url is not None
+        await self.adapter.respond(url, escape(text))
 
 
 class _FallBack(Exception):
@@ -196,6 +227,32 @@ class _ConnectionsClient(AsyncWebClient):
             if refuses_token(exc):
                 self._refused(exc)
             raise
+
+
+class _StartAuthorized(AsyncAuthorize):
+    """Bolt's authorization of every request, from the ``auth.test`` answer of the adapter's start.
+
+    Left to itself, Bolt asks ``auth.test`` with the bot token at the first request it is handed and keeps only a
+    good answer: a token Slack refused before this process's first event or press (revoked, the app reinstalled,
+    on a replica that had seen nothing yet) had every signed request after it answered "Please install this app"
+    and dropped before any listener, presses included, while /healthz said Slack was serving. A press is signed
+    with the signing secret, not the token: it decides whatever Slack now answers the token."""
+
+    def __init__(self, adapter: SlackAdapter) -> None:
+        self.adapter = adapter
+
+    async def __call__(
+        self,
+        *,
+        context: AsyncBoltContext,
+        enterprise_id: str | None,
+        team_id: str | None,
+        user_id: str | None,
+        actor_enterprise_id: str | None = None,
+        actor_team_id: str | None = None,
+        actor_user_id: str | None = None,
+    ) -> AuthorizeResult | None:
+        return self.adapter._authorized  # None only before a start, when no request is served
 
 
 class _ReplayDoor(AsyncMiddleware):
@@ -253,8 +310,13 @@ class SlackAdapter(PlatformBase):
         host = urlsplit(config.api_base_url).hostname or ""
         if self.client.proxy and host and proxy_bypass(host):
             self.client.proxy = self._card_client.proxy = None
+        self._authorized: AuthorizeResult | None = None  # Bolt's, from the start's auth.test (_StartAuthorized)
         self.app = AsyncApp(
-            client=self.client,
+            # Bolt's own client, which Kazma's listeners do not use: given the token, Bolt would ask auth.test with
+            # it on its own (and warn that the authorize below makes it unused); the token of each request's
+            # client is the start's authorization's.
+            client=AsyncWebClient(base_url=config.api_base_url, timeout=request_timeout, logger=_CLIENT_LOG),
+            authorize=_StartAuthorized(self),  # type: ignore[arg-type]  # Bolt annotates a function, takes this too
             signing_secret=config.signing_secret,
             # Bolt names its loggers after the app and, on every request, sets the app's logger to the root's level
             # of that moment. Named "kazma", that logger was the parent of all of Kazma's: a request handled while
@@ -303,6 +365,10 @@ class SlackAdapter(PlatformBase):
     @property
     def setup_refused(self) -> str | None:
         return self._token_refused
+
+    # A refused bot token leaves presses deciding: they are signed with the signing secret (HTTP events) or come
+    # over the app-level token's socket, and Bolt authorizes them from the start's auth.test (_StartAuthorized).
+    presses_outlive_refusal = True
 
     def _refuse_token(self, site: str, exc: BaseException) -> None:
         """Slack refused the bot token on a call (see ``refuses_token``): said and counted once, and from now on no
@@ -362,7 +428,9 @@ class SlackAdapter(PlatformBase):
             if cause is None or not refuses_token(cause):
                 raise
             self._refuse_token(site, cause)
-            raise self._token_error(site) from exc
+            error = self._token_error(site)
+            error.counted = exc.counted  # the kit counted the call's failure; this is that one failure, told better
+            raise error from exc
 
     @staticmethod
     def _new_streak() -> InboundStreak:
@@ -380,6 +448,9 @@ class SlackAdapter(PlatformBase):
         self._token_refused = self._app_token_refused = None  # a start is the operator's "try again"
         auth = await self.client.auth_test()
         self.bot_user_id = str(auth.get("user_id") or "") or None
+        self._authorized = AuthorizeResult.from_auth_test_response(
+            bot_token=self.config.bot_token, auth_test_response=auth
+        )
         if not self.config.app_token:
             await self._start_http()
         log.info(
@@ -616,7 +687,8 @@ class SlackAdapter(PlatformBase):
                 home = await handlers.home(self.actor(user), PLATFORM)
                 await self.call("home", None, lambda: self.client.views_publish(user_id=user, view=home_view(home)))
             except Exception as exc:  # the home tab is a view of what is stored: nothing is lost
-                count_failure("home", PLATFORM)
+                if not (isinstance(exc, PlatformError) and exc.counted):  # views.publish's failure: counted by call
+                    count_failure("home", PLATFORM)
                 log.warning("slack.home_failed", user=user, error=str(exc))
                 return
             log.info("slack.home_published", user=user, waiting=len(home.waiting) + home.more)
@@ -643,6 +715,23 @@ class SlackAdapter(PlatformBase):
         if len(self._titles) < 10_000:
             self._titles[channel] = title
         return title
+
+    async def respond(self, url: str, text: str) -> None:
+        """Say ``text`` (mrkdwn) privately to whoever pressed, through the press's ``response_url``: no token, so
+        also while Slack refuses the bot token (the kit's call, not :meth:`call`, which refuses at once then)."""
+        session = self._session
+        if session is None:
+            raise self.refuse("press_reply", "the adapter is not started", retryable=True)
+
+        async def post() -> None:
+            body = {"text": text, "response_type": "ephemeral", "replace_original": False}
+            async with session.post(url, json=body, allow_redirects=False) as response:
+                if response.status != 200:  # counted once, by the kit's call
+                    raise PlatformError(
+                        PLATFORM, "press_reply", f"the response URL answered HTTP {response.status}", retryable=False
+                    )
+
+        await PlatformBase.call(self, "press_reply", None, post, paced=False)
 
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
@@ -710,7 +799,9 @@ class SlackAdapter(PlatformBase):
                 is_admin=self.is_admin(user),
                 signed=tuple(context.get(_SIGNED, ())),
             )
-            await self.press(press, _EphemeralReply(self, channel, user), key=interaction_key(body, action))
+            responds = body.get("response_url")
+            reply = _EphemeralReply(self, channel, user, responds if isinstance(responds, str) else None)
+            await self.press(press, reply, key=interaction_key(body, action))
 
     async def _on_deny_reason(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
         """ "Deny with reason": a modal asks for it (Slack keeps where the card is in the view's metadata)."""
@@ -752,12 +843,19 @@ class SlackAdapter(PlatformBase):
                     }
                 ],
             }  # fmt: skip
-            await self.call(
-                "reason_modal",
-                channel or None,
-                lambda: self.client.views_open(trigger_id=trigger, view=view),
-                paced=False,
-            )
+            try:
+                await self.call(
+                    "reason_modal",
+                    channel or None,
+                    lambda: self.client.views_open(trigger_id=trigger, view=view),
+                    paced=False,
+                )
+            except PlatformError:
+                responds = body.get("response_url")
+                if self.setup_refused is None or not isinstance(responds, str):
+                    raise
+                # The press's response URL needs no token: they learn the form will not come, not nothing at all.
+                await self.respond(responds, escape(REASON_FORM_REFUSED))
 
     async def _on_reason(self, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
         """The modal was submitted: the Deny, with the words, through the one press policy."""

@@ -103,8 +103,17 @@ def download_refused(status: int, retry_after_header: str | None, location: str 
             operator_must_act=True,
         )
     if status == 401:
+        # Not taken as Slack refusing the bot token (which would stop every call with it until a restart): Slack
+        # answers a download with a token it does not take by sending it to its sign-in page, as above, so a 401
+        # here is another's (a proxy's, a URL that is not Slack's file host). The Web API says when the token
+        # itself is refused, and the adapter stops then.
         return PlatformError(
-            PLATFORM, site, "HTTP 401: Slack refused the bot token", retryable=False, operator_must_act=True
+            PLATFORM,
+            site,
+            "HTTP 401: the file's download was refused, not by Slack refusing the bot token (Slack sends a token "
+            "it does not take to its sign-in page instead); a proxy between Kazma and Slack's file host may have",
+            retryable=False,
+            operator_must_act=True,
         )
     # 404 and the like: the file was deleted (or its link is no longer valid) before Kazma fetched it.
     return PlatformError(PLATFORM, site, f"HTTP {status}", retryable=False)

@@ -77,7 +77,7 @@ METHOD_SCOPES = {
     "files.completeUploadExternal": "files:write",
 }
 
-FaultKind = Literal["500", "429", "hang", "error", "lost"]
+FaultKind = Literal["500", "429", "hang", "error", "lost", "401"]  # "401": file downloads only
 # fail(FILE_DOWNLOAD, "500" | "429"): the next download of a url_private answers 503, or 429 with Retry-After.
 FILE_DOWNLOAD: Final = "files-pri"
 
@@ -693,6 +693,8 @@ class FakeSlack:
             return web.Response(status=503, text="Service Unavailable")
         if fault is not None and fault.kind == "429":
             return web.Response(status=429, headers={"Retry-After": str(fault.retry_after)})
+        if fault is not None and fault.kind == "401":  # not Slack's own answer (see below): a proxy's, say
+            return web.Response(status=401, text="Unauthorized")
         entry = self.files.get(file_id)
         if token != self.bot_token or "files:read" not in self.scopes:
             # Slack answers an unauthorised download with its sign-in page, not an error status.
