@@ -477,7 +477,7 @@ class FanOutBus:
         refused = setup_refused(adapter)
         if refused is not None and not presses_outlive_refusal(adapter):
             return PlatformHealth(name, False, f"off, {refused}")
-        inbound = self._inbound_health(name, adapter, leader)
+        inbound = self._inbound_health(name, adapter, leader, leads=leads)
         if refused is None:
             return inbound
         if inbound.takes_presses:
@@ -486,8 +486,10 @@ class FanOutBus:
             return PlatformHealth(name, True, f"presses still decide, card posts and edits refused: {refused}")
         return PlatformHealth(name, False, f"off, {refused}; {inbound.state}")
 
-    def _inbound_health(self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None) -> PlatformHealth:
-        """A started platform's state by whether its presses come in."""
+    def _inbound_health(
+        self, name: str, adapter: PlatformAdapter, leader: LeaderInbound | None, *, leads: bool
+    ) -> PlatformHealth:
+        """A started platform's state by whether its presses come in (``leads``: see :meth:`health`)."""
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
         if single is not None and self._leading and name in self._opening:
