@@ -90,6 +90,10 @@ class PlatformError(Exception):
     an intent not enabled), which only the operator can change. Not retryable says only that the same call
     will fail again; a file deleted before Kazma fetched it is not retryable either, yet nobody's setup is
     wrong, and a person told "ask the operator" about it is sent the wrong way.
+
+    ``nothing_done``: the platform certainly did nothing with the call: it never left Kazma (a token refused
+    earlier, see :class:`SetupRefused`), or the platform refused the token it carried. A card post that failed so
+    cannot have landed, so it is no attempt that may have (the outbox marks a post after one "posted again").
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class PlatformError(Exception):
         retryable: bool,
         retry_after: float | None = None,
         operator_must_act: bool = False,
+        nothing_done: bool = False,
     ) -> None:
         super().__init__(f"{platform} {site}: {message}")
         self.platform = platform
@@ -108,6 +113,7 @@ class PlatformError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.operator_must_act = operator_must_act
+        self.nothing_done = nothing_done
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,169 @@
+"""Card posts and edits kept while Slack or Discord refused the bot token, and what becomes of them after the
+operator's restart with a new one: the real libraries against the wire fakes, one SQLite store across the restart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kazma.adapters import bus
+from kazma.adapters.bus import REPOSTED, FanOutBus
+from kazma.adapters.outbox import Outbox
+from kazma.approvals import Decision
+from kazma.bot.app import App
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
+from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.platforms_support import SLACK_CHANNEL, TG_ADMIN, Fakes, kazma_on, three_fakes
+
+ARGS = {"command": "make release"}
+
+
+async def _refuse(fakes: Fakes, platform: str) -> None:
+    """The platform's bot token is taken back while Kazma runs (Slack: revoked; Discord: reset in the Developer
+    Portal, the gateway closed with 4004 and the login after it refused)."""
+    if platform == "slack":
+        fakes.slack.revoke(fakes.slack.bot_token)
+        return
+    refused = failure_count("token_refused", "discord")
+    fakes.discord.token = "reset-in-the-developer-portal"
+    assert await fakes.discord.drop_gateway(code=4004) == 1
+    async with asyncio.timeout(20):  # said by the login after the close; Slack's, by the card's own post
+        while failure_count("token_refused", "discord") == refused:
+            await asyncio.sleep(0.02)
+
+
+def _heal(fakes: Fakes, platform: str, token: str) -> None:
+    """The operator put a token the platform takes in the configuration (the fake's own) before the restart."""
+    if platform == "slack":
+        del fakes.slack.revoked[fakes.slack.bot_token]
+    else:
+        fakes.discord.token = token
+
+
+def _outbox(app: App) -> Outbox:
+    assert isinstance(app.bus, FanOutBus)
+    return app.bus.outbox
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]]) -> None:
+    async with asyncio.timeout(20):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+async def _kept(app: App, request_id: str, platform: str) -> int:
+    """Once ``request_id``'s post on ``platform`` waits in the outbox saying the token was refused: its attempts."""
+    outbox = _outbox(app)
+    found: list[int] = []
+
+    async def kept() -> bool:
+        found[:] = [a for r, p, a, e in await outbox.pending() if r == request_id and p == platform and e]
+        return bool(found)
+
+    await _until(kept)
+    return found[0]
+
+
+async def _worker_rounds(app: App, platform: str, monkeypatch: pytest.MonkeyPatch, rounds: int) -> None:
+    """Let ``platform``'s bus worker go round ``rounds`` more times (each round drains its due posts)."""
+    assert isinstance(app.bus, FanOutBus)
+    fan_out = app.bus
+    seen = 0
+    next_due = fan_out._next_due
+
+    async def counted(worker: bus._Worker) -> float:
+        nonlocal seen
+        if worker.adapter.name == platform:
+            seen += 1
+        return await next_due(worker)
+
+    monkeypatch.setattr(fan_out, "_next_due", counted)
+
+    async def enough() -> bool:
+        return seen >= rounds
+
+    await _until(enough)
+
+
+def _cards_on(fakes: Fakes, platform: str) -> list[str]:
+    """The text of every card on ``platform``'s home chat."""
+    if platform == "slack":
+        return [" ".join(m.texts()) for m in fakes.slack.channel(SLACK_CHANNEL) if m.blocks]
+    return [str(m["embeds"]) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_a_card_kept_while_the_token_was_refused_lands_after_the_restart_as_its_first_post(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
+) -> None:
+    """While the platform refused the bot token, the bus tried the kept post again and again, each try failing at
+    once in Kazma, and each counted as an attempt that may have landed a card unrecorded. After the operator's
+    restart the card came to Slack marked "Posted again: … If an earlier copy is above, its buttons do nothing"
+    (counted at ``card_reposted``), though no copy had ever left Kazma. Now a post that certainly landed nothing
+    is no attempt, and nothing is tried with the refused token at all: the card lands as a first post."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            refused = failure_count("token_refused", platform)
+            await _refuse(fakes, platform)
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            await _kept(app, request.id, platform)
+            assert failure_count("token_refused", platform) == refused + 1
+            tried = failure_count("card_post", platform)
+            await _worker_rounds(app, platform, monkeypatch, 20)  # its backoff over many times
+            assert await _kept(app, request.id, platform) == 0  # nothing went out: no attempt that may have landed
+            assert failure_count("card_post", platform) == tried  # and nothing was tried again with that token
+        _heal(fakes, platform, token)
+        reposted = failure_count("card_reposted", platform)
+        async with kazma_on(fakes, store) as app:
+
+            async def posted() -> bool:
+                return platform in [c.platform for c in await app.service.store.cards(request.id)]
+
+            await _until(posted)
+            (card,) = [c for c in await app.service.store.cards(request.id) if c.platform == platform]
+            assert not card.reposted
+        (shown,) = _cards_on(fakes, platform)
+        assert REPOSTED.split(":")[0] not in shown
+        assert failure_count("card_reposted", platform) == reposted
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_a_kept_post_whose_request_was_decided_meanwhile_is_dropped_quietly_after_the_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, platform: str
+) -> None:
+    """A card kept while the platform refused the token, decided on Telegram meanwhile: after the restart Slack's
+    post was said to be a card that "may be unsettled" (``bus.card_maybe_unsettled``, counted), and Discord's was
+    posted by its nonce as a new card showing the outcome, though none of it had ever reached the platform. Now
+    it is skipped, as any post whose request ended before it went: nothing on the platform, nothing said lost."""
+    caplog.set_level(logging.INFO)
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            await _refuse(fakes, platform)
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            await _kept(app, request.id, platform)
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+        _heal(fakes, platform, token)
+        unsettled = failure_count("card_maybe_unsettled", platform)
+        async with kazma_on(fakes, store) as app:
+            outbox = _outbox(app)
+
+            async def handled() -> bool:
+                return not [r for r, p, _, _ in await outbox.pending() if r == request.id and p == platform]
+
+            await _until(handled)
+            assert [c.platform for c in await app.service.store.cards(request.id)].count(platform) == 0
+        assert _cards_on(fakes, platform) == []
+        assert failure_count("card_maybe_unsettled", platform) == unsettled
+        assert not [r for r in caplog.records if r.getMessage() == "bus.card_maybe_unsettled"]
