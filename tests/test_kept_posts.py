@@ -167,3 +167,46 @@ async def test_a_kept_post_whose_request_was_decided_meanwhile_is_dropped_quietl
         assert _cards_on(fakes, platform) == []
         assert failure_count("card_maybe_unsettled", platform) == unsettled
         assert not [r for r in caplog.records if r.getMessage() == "bus.card_maybe_unsettled"]
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_an_edit_kept_while_the_token_was_refused_is_not_tried_until_the_restart_then_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
+) -> None:
+    """A card on the platform decided on Telegram while the platform refused the token: its edit was tried again
+    at every backoff for as long as Kazma ran, each try failing at once in Kazma yet counted at ``card_settle``,
+    logged as ``bus.card_settle_failed`` and adding to the card's attempts. Now nothing is tried with the refused
+    token; the edit waits unsettled in the store and lands after the restart."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def everywhere() -> bool:
+                return len(await app.service.store.cards(request.id)) == 3
+
+            await _until(everywhere)
+            await _refuse(fakes, platform)
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+
+            async def others_settled() -> bool:
+                cards = await app.service.store.cards(request.id)
+                return [c.platform for c in cards if not c.settled_at] == [platform]
+
+            await _until(others_settled)
+            tried = failure_count("card_settle", platform)
+            await _worker_rounds(app, platform, monkeypatch, 20)  # its backoff over many times
+            assert failure_count("card_settle", platform) <= tried + 1  # at most the try that met the refusal
+        _heal(fakes, platform, token)
+        async with kazma_on(fakes, store) as app:
+
+            async def settled() -> bool:
+                return all(c.settled_at for c in await app.service.store.cards(request.id))
+
+            await _until(settled)
+        assert not fakes.has_buttons(platform)
+        assert "APPROVED" in fakes.card_text(platform)
