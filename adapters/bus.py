@@ -63,6 +63,8 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 # A platform whose start failed for a fault that may pass (the platform answered 5xx, or nothing) is started again.
 START_RETRY = Backoff(base=1.0, cap=60.0)
+# A retry far enough along that RETRY waits its longest (its cap), whatever its base.
+RETRY_LONGEST = 64
 
 
 def _passing(exc: BaseException) -> bool:
@@ -849,6 +851,10 @@ class FanOutBus:
         if retry is not None:
             retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
             delay = RETRY.delay(job.attempts, retry_after=retry_after)
+            if not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act:
+                # Not counted, so the attempts do not stretch its backoff: a refusal only the operator can end (a
+                # token Telegram refused) is tried again as seldom as the backoff's longest wait, not at its first.
+                delay = RETRY.delay(RETRY_LONGEST, retry_after=retry_after)
             await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__, attempted=may_have_landed)
         elif failed and not recorded:
             await self.outbox.done(job, "failed", "; ".join(failed))

@@ -18,6 +18,7 @@ from kazma.bot.app import App
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.fakes.telegram import Fault
 from tests.platforms_support import SLACK_CHANNEL, TG_ADMIN, Fakes, kazma_on, three_fakes
 
 ARGS = {"command": "make release"}
@@ -210,3 +211,39 @@ async def test_an_edit_kept_while_the_token_was_refused_is_not_tried_until_the_r
             await _until(settled)
         assert not fakes.has_buttons(platform)
         assert "APPROVED" in fakes.card_text(platform)
+
+
+async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_once_the_token_is_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram answering a card's post, or a decided card's edit, 401 (the token revoked, fixed at BotFather
+    while Kazma runs, or a passing 401: polling opens again by itself, no restart): the post was given up for good
+    (``bus.card_post_gave_up``) and the card never came to Telegram, and the edit was given up so the decided card
+    kept its buttons there. Now both wait and land once Telegram takes the token again; the post counts no attempt
+    (a 401 landed nothing), so the card is not marked "Posted again"."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fakes.telegram.script("sendMessage", Fault.server_error(401, "Unauthorized"))
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+        async def on_telegram() -> bool:
+            return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+        await _until(on_telegram)
+        assert [c.status for c in fakes.telegram.calls_to("sendMessage")][:1] == [401]
+        (card,) = [c for c in await app.service.store.cards(request.id) if c.platform == "telegram"]
+        assert not card.reposted
+        assert REPOSTED.split(":")[0] not in fakes.card_text("telegram")
+
+        fakes.telegram.script("editMessageText", Fault.server_error(401, "Unauthorized"))
+        decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                           platform="telegram")  # fmt: skip
+        assert decided.won
+
+        async def settled() -> bool:
+            return all(c.settled_at for c in await app.service.store.cards(request.id))
+
+        await _until(settled)
+        assert [c.status for c in fakes.telegram.calls_to("editMessageText")][:1] == [401]
+        assert not fakes.has_buttons("telegram")
+        assert "APPROVED" in fakes.card_text("telegram")
