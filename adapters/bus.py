@@ -711,9 +711,12 @@ class FanOutBus:
             try:
                 await self._settle_requested(worker)
                 await self._refresh_requested(worker)
-                await self._drain_posts(worker)
+                # Edits found by a scan go before posts too, as a decision's do: at a start, the edits of cards
+                # decided while the platform was off (a refused token) waited behind every post kept meanwhile,
+                # one a second in its pacing, their cards showing live buttons all that time.
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
                     await self._scan_settles(worker)
+                await self._drain_posts(worker)
                 wake_at = await self._next_due(worker)
             except asyncio.CancelledError:
                 raise

@@ -247,3 +247,40 @@ async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_
         assert [c.status for c in fakes.telegram.calls_to("editMessageText")][:1] == [401]
         assert not fakes.has_buttons("telegram")
         assert "APPROVED" in fakes.card_text("telegram")
+
+
+async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
+    """Slack refused the token while a card on it was decided and more cards were opened: after the restart the
+    kept posts went first, one a second in Slack's pacing, and the decided card kept its live-looking buttons
+    behind all of them. An edit goes before the next post, as for a decision made while Kazma runs."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        async with kazma_on(fakes, store) as app:
+            decided = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def everywhere() -> bool:
+                return len(await app.service.store.cards(decided.id)) == 3
+
+            await _until(everywhere)
+            await _refuse(fakes, "slack")
+            kept = []
+            for n in range(2):
+                command = {"command": f"make {n}"}
+                kept.append(await app.service.open("shell", command, "agent:builder", "telegram:-1001", durable=True))
+            for request in kept:
+                await _kept(app, request.id, "slack")
+            won = await app.service.decide(decided.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                           platform="telegram")  # fmt: skip
+            assert won.won
+        _heal(fakes, "slack", "")
+        calls = len(fakes.slack.calls)
+        async with kazma_on(fakes, store) as app:
+
+            async def all_done() -> bool:
+                cards = await app.service.store.cards(decided.id)
+                posted = [await app.service.store.cards(r.id) for r in kept]
+                return all(c.settled_at for c in cards) and all("slack" in [c.platform for c in p] for p in posted)
+
+            await _until(all_done)
+        order = [c.method for c in fakes.slack.calls[calls:] if c.method in ("chat.update", "chat.postMessage")]
+        assert order == ["chat.update", "chat.postMessage", "chat.postMessage"]
