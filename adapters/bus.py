@@ -64,6 +64,8 @@ log = structlog.get_logger("kazma.bus")
 RETRY = Backoff(base=0.5, cap=60.0)
 # A platform whose start failed for a fault that may pass (the platform answered 5xx, or nothing) is started again.
 START_RETRY = Backoff(base=1.0, cap=60.0)
+# A retry far enough along that RETRY waits its longest (its cap), whatever its base.
+RETRY_LONGEST = 64
 
 
 def _count_once(site: str, platform: str, exc: BaseException) -> None:
@@ -778,9 +780,12 @@ class FanOutBus:
             try:
                 await self._settle_requested(worker)
                 await self._refresh_requested(worker)
-                await self._drain_posts(worker)
+                # Edits found by a scan go before posts too, as a decision's do: at a start, the edits of cards
+                # decided while the platform was off (a refused token) waited behind every post kept meanwhile,
+                # one a second in its pacing, their cards showing live buttons all that time.
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
                     await self._scan_settles(worker)
+                await self._drain_posts(worker)
                 wake_at = await self._next_due(worker)
             except asyncio.CancelledError:
                 raise
@@ -801,6 +806,8 @@ class FanOutBus:
         due = [worker.scan_at]
         if worker.retry_at is not None:
             due.append(worker.retry_at)
+        if setup_refused(worker.adapter) is not None:
+            return min(due)  # its posts wait for the restart: their due times would wake it for nothing
         next_post = await self.outbox.next_due_at(worker.adapter.name)
         if next_post is not None:
             due.append(next_post)
@@ -808,6 +815,16 @@ class FanOutBus:
 
     async def _drain_posts(self, worker: _Worker) -> None:
         adapter = worker.adapter
+        refused = setup_refused(adapter)
+        if refused is not None:
+            # Nothing is tried with a refused token until the operator's restart (see SetupRefused): each try
+            # failed at once, yet counted as an attempt that may have landed, so the card went out after the
+            # restart marked "posted again", and one whose request ended meanwhile was said maybe unsettled.
+            # The posts only say why they wait (doctor lists them), no attempt counted.
+            kept = await self.outbox.kept(adapter.name, refused)
+            if kept:
+                log.warning("bus.card_posts_kept", platform=adapter.name, posts=kept, why=refused)
+            return
         for index, job in enumerate(await self.outbox.due(adapter.name)):
             if self._stopping:
                 return
@@ -861,6 +878,7 @@ class FanOutBus:
         home_recorded = any(c.bound_to is None and c.chat not in named for c in cards)
         retry: PlatformError | TimeoutError | None = None
         failed: list[str] = []
+        may_have_landed = False  # a failure of this attempt that may hide a card out there, unrecorded
         for place in places:
             try:
                 home = place.chat is None and place.user is None
@@ -872,6 +890,7 @@ class FanOutBus:
                 ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
             except (PlatformError, TimeoutError) as exc:
                 _count_once("card_post", adapter.name, exc)
+                may_have_landed = may_have_landed or not _nothing_done(exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
                     log.warning(
@@ -904,7 +923,11 @@ class FanOutBus:
         if retry is not None:
             retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
             delay = RETRY.delay(job.attempts, retry_after=retry_after)
-            await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__)
+            if not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act:
+                # Not counted, so the attempts do not stretch its backoff: a refusal only the operator can end (a
+                # token Telegram refused) is tried again as seldom as the backoff's longest wait, not at its first.
+                delay = RETRY.delay(RETRY_LONGEST, retry_after=retry_after)
+            await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__, attempted=may_have_landed)
         elif failed and not recorded:
             await self.outbox.done(job, "failed", "; ".join(failed))
         else:
@@ -1003,7 +1026,8 @@ class FanOutBus:
                 _count_once("card_post", adapter.name, exc)
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
-                    await self.outbox.retry_later(job, RETRY.delay(job.attempts, retry_after=retry_after), str(exc))
+                    delay = RETRY.delay(job.attempts, retry_after=retry_after)
+                    await self.outbox.retry_later(job, delay, str(exc), attempted=not _nothing_done(exc))
                 else:
                     await self.outbox.done(job, "failed", str(exc))
                 log.warning("bus.card_find_failed", platform=adapter.name, request_id=request.id, error=str(exc))
@@ -1105,6 +1129,9 @@ class FanOutBus:
         """Edit this platform's cards of every request a review changed: the progress, buttons kept. Best
         effort: a failed edit is logged and counted (the next review or the outcome edits the card again)."""
         adapter = worker.adapter
+        if setup_refused(adapter) is not None:
+            worker.to_refresh.clear()  # best effort, and nothing is tried with a refused token: the outcome edits all
+            return
         while worker.to_refresh and not self._stopping and isinstance(adapter, UpdatesCards):
             request_id = next(iter(worker.to_refresh))
             del worker.to_refresh[request_id]
@@ -1153,6 +1180,9 @@ class FanOutBus:
         adapter = worker.adapter
         now = self.clock()
         worker.scan_at = now + self.poll_interval
+        if setup_refused(adapter) is not None:  # its edits wait for the restart, as its posts (see _drain_posts)
+            worker.retry_at = None
+            return
         for posted in await self.store.unsettled_cards(adapter.name, due_by=now):
             if self._stopping:
                 return
@@ -1175,6 +1205,8 @@ class FanOutBus:
         and ``witness`` come from, with its card built already. ``ride``: how long the row saying it is settled
         may wait for other writes to commit with (:data:`SETTLED_RIDE`)."""
         adapter = worker.adapter
+        if setup_refused(adapter) is not None:
+            return  # left unsettled in the store: the scan at the operator's restart edits it (see _scan_settles)
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
             witness = decided = None
@@ -1260,6 +1292,11 @@ class FanOutBus:
         if request.decided_at is not None and last:
             DECISION_TO_SETTLED.observe(max(0.0, edited - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
+
+
+def _nothing_done(exc: PlatformError | TimeoutError) -> bool:
+    """Whether a failed post certainly landed nothing (see :attr:`PlatformError.nothing_done`)."""
+    return isinstance(exc, PlatformError) and exc.nothing_done
 
 
 def _reposts(adapter: PlatformAdapter, job: PostJob) -> bool:

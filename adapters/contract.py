@@ -93,6 +93,10 @@ class PlatformError(Exception):
 
     ``counted``: a failure counter (``count_failure``) has this failure already (the kit counts every call it
     makes); whoever catches it counts it only when not, so one failure is one count.
+
+    ``nothing_done``: the platform certainly did nothing with the call: it never left Kazma (a token refused
+    earlier, see :class:`SetupRefused`), or the platform refused the token it carried. A card post that failed so
+    cannot have landed, so it is no attempt that may have (the outbox marks a post after one "posted again").
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class PlatformError(Exception):
         retryable: bool,
         retry_after: float | None = None,
         operator_must_act: bool = False,
+        nothing_done: bool = False,
     ) -> None:
         super().__init__(f"{platform} {site}: {message}")
         self.platform = platform
@@ -112,6 +117,7 @@ class PlatformError(Exception):
         self.retry_after = retry_after
         self.operator_must_act = operator_must_act
         self.counted = False
+        self.nothing_done = nothing_done
 
 
 @dataclass(frozen=True)

@@ -185,11 +185,29 @@ class Outbox:
             [(self.clock(), outcome, error, job.id)],
         )
 
-    async def retry_later(self, job: PostJob, delay: float, error: str) -> None:
+    async def retry_later(self, job: PostJob, delay: float, error: str, *, attempted: bool = True) -> None:
+        """``job`` goes again in ``delay`` seconds. ``attempted`` False: the attempt just claimed certainly landed
+        nothing (the platform refused the token, or the call never left Kazma), so it is taken back from the count,
+        which says how many attempts may have landed a card unrecorded (see :meth:`claim`)."""
+        taken_back = "" if attempted else ", attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END"
         await self._write(
-            "UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL WHERE id = ?",
+            f"UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL{taken_back} WHERE id = ?",  # noqa: S608
             [(self.clock() + delay, error, job.id)],
         )
+
+    async def kept(self, platform: str, why: str) -> int:
+        """Every post waiting on ``platform`` (none claimed) says ``why`` it waits, without an attempt: the platform
+        refused Kazma's setup, and nothing is tried with it until the operator's restart. How many say it now."""
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
+                " AND (last_error IS NULL OR last_error != ?)",
+                (why, platform, why),
+            )
+
+        writer = await self.tables.writer()
+        return int(await writer.submit(op))
 
     async def due_now(self, platforms: Sequence[str]) -> int:
         """Every post waiting on ``platforms`` (none claimed) is due now; how many. For platforms that have just

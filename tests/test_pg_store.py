@@ -220,6 +220,25 @@ async def test_outbox_enqueue_due_retry_done(backend: Backend) -> None:
     assert await outbox.pending() == [("r1", "slack", 0, None)]
 
 
+async def test_outbox_an_attempt_that_landed_nothing_is_taken_back_and_kept_posts_say_why(backend: Backend) -> None:
+    """An attempt a platform refused before doing anything (a refused token) is no attempt that may have landed a
+    card unrecorded; posts kept while the platform refuses Kazma's setup say why, without an attempt."""
+    clock = ManualClock()
+    outbox = Outbox(backend.store, clock=clock)
+    await outbox.enqueue("r1", ["slack"])
+    [job] = await outbox.due("slack")
+    assert await outbox.claim(job, lease=30)
+    await outbox.retry_later(job, 0, "slack card_post: refused", attempted=False)
+    assert await outbox.pending() == [("r1", "slack", 0, "slack card_post: refused")]
+    await outbox.enqueue("r2", ["slack"])
+    assert await outbox.kept("slack", "Slack refused the bot token") == 2
+    assert await outbox.kept("slack", "Slack refused the bot token") == 0  # said once
+    assert [(r, a, e) for r, _, a, e in await outbox.pending()] == [
+        ("r1", 0, "Slack refused the bot token"),
+        ("r2", 0, "Slack refused the bot token"),
+    ]
+
+
 async def test_a_post_claimed_by_a_replica_that_died_is_due_again_after_its_lease(backend: Backend) -> None:
     clock = ManualClock()
     outbox = Outbox(backend.store, clock=clock)

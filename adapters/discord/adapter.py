@@ -346,7 +346,9 @@ class DiscordAdapter(PlatformBase):
         # Retryable, as for a platform whose start was refused: a card post or edit stays in the outbox (nothing goes
         # out to Discord meanwhile) and lands after the operator's restart with a new token. Given up for good, the
         # card never came to Discord, and a card decided meanwhile kept its buttons there.
-        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True)
+        return PlatformError(
+            PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True, nothing_done=True
+        )
 
     @property
     def has_singleton_ingress(self) -> bool:

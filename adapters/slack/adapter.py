@@ -404,7 +404,9 @@ class SlackAdapter(PlatformBase):
         # Retryable, as for a platform whose start was refused: a card post or edit stays in the outbox (nothing goes
         # out to Slack meanwhile: call refuses first) and lands after the operator's restart with a new token. Given
         # up for good, the card never came to Slack, and a card decided meanwhile kept its buttons there.
-        return PlatformError(PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True)
+        return PlatformError(
+            PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True, nothing_done=True
+        )
 
     async def call(
         self,

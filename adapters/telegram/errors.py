@@ -39,6 +39,10 @@ def retry_after_seconds(exc: RetryAfter) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+# A card's post and edits, which the bus keeps and tries again (the outbox, a card's unsettled row).
+CARD_SITES = frozenset({"card_post", "card_update", "card_settle"})
+
+
 def not_modified(exc: BaseException) -> bool:
     """Telegram refuses an edit that changes nothing; for an idempotent settle that is success."""
     return isinstance(exc, BadRequest) and "message is not modified" in str(exc).lower()
@@ -50,7 +54,7 @@ def classify(site: str, exc: BaseException, *, token: str = "") -> PlatformError
     if token and token in str(error):
         text = str(error).removeprefix(f"{PLATFORM} {site}: ").replace(token, "<token>")
         error = PlatformError(PLATFORM, site, text, retryable=error.retryable, retry_after=error.retry_after,
-                              operator_must_act=error.operator_must_act)  # fmt: skip
+                              operator_must_act=error.operator_must_act, nothing_done=error.nothing_done)  # fmt: skip
     return error
 
 
@@ -72,7 +76,11 @@ def _classify(site: str, exc: BaseException) -> PlatformError:
         return PlatformError(PLATFORM, site, f"{NOT_STARTED_HINT} ({exc})", retryable=False)
     # BadRequest is a NetworkError subclass in PTB: the request was refused, sending it again changes nothing.
     if isinstance(exc, InvalidToken):  # the bot token refused (401): only the operator can give another
-        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False, operator_must_act=True)
+        # Refused before Telegram did anything. A card's post or edit waits for the token to be good again (fixed at
+        # BotFather, or a passing 401: polling opens again by itself, no restart): given up, the card never came
+        # to Telegram, or a card decided meanwhile kept its buttons there for good.
+        return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=site in CARD_SITES,
+                             operator_must_act=True, nothing_done=True)  # fmt: skip
     if isinstance(exc, BadRequest | Forbidden):
         return PlatformError(PLATFORM, site, f"{type(exc).__name__}: {exc}", retryable=False)
     if isinstance(exc, TimedOut) and str(exc) != "Timed out":  # Kazma's transport says which bound and how long

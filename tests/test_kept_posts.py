@@ -1,0 +1,286 @@
+"""Card posts and edits kept while Slack or Discord refused the bot token, and what becomes of them after the
+operator's restart with a new one: the real libraries against the wire fakes, one SQLite store across the restart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kazma.adapters import bus
+from kazma.adapters.bus import REPOSTED, FanOutBus
+from kazma.adapters.outbox import Outbox
+from kazma.approvals import Decision
+from kazma.bot.app import App
+from kazma.config.backoff import Backoff
+from kazma.config.metrics import failure_count
+from tests.fakes.discord import HOME_CHANNEL_ID
+from tests.fakes.telegram import Fault
+from tests.platforms_support import SLACK_CHANNEL, TG_ADMIN, Fakes, kazma_on, three_fakes
+
+ARGS = {"command": "make release"}
+
+
+async def _refuse(fakes: Fakes, platform: str) -> None:
+    """The platform's bot token is taken back while Kazma runs (Slack: revoked; Discord: reset in the Developer
+    Portal, the gateway closed with 4004 and the login after it refused)."""
+    if platform == "slack":
+        fakes.slack.revoke(fakes.slack.bot_token)
+        return
+    refused = failure_count("token_refused", "discord")
+    fakes.discord.token = "reset-in-the-developer-portal"
+    assert await fakes.discord.drop_gateway(code=4004) == 1
+    async with asyncio.timeout(20):  # said by the login after the close; Slack's, by the card's own post
+        while failure_count("token_refused", "discord") == refused:
+            await asyncio.sleep(0.02)
+
+
+def _heal(fakes: Fakes, platform: str, token: str) -> None:
+    """The operator put a token the platform takes in the configuration (the fake's own) before the restart."""
+    if platform == "slack":
+        del fakes.slack.revoked[fakes.slack.bot_token]
+    else:
+        fakes.discord.token = token
+
+
+def _outbox(app: App) -> Outbox:
+    assert isinstance(app.bus, FanOutBus)
+    return app.bus.outbox
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]]) -> None:
+    async with asyncio.timeout(20):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+async def _kept(app: App, request_id: str, platform: str) -> int:
+    """Once ``request_id``'s post on ``platform`` waits in the outbox saying the token was refused: its attempts."""
+    outbox = _outbox(app)
+    found: list[int] = []
+
+    async def kept() -> bool:
+        found[:] = [a for r, p, a, e in await outbox.pending() if r == request_id and p == platform and e]
+        return bool(found)
+
+    await _until(kept)
+    return found[0]
+
+
+async def _worker_rounds(app: App, platform: str, monkeypatch: pytest.MonkeyPatch, rounds: int) -> None:
+    """Let ``platform``'s bus worker go round ``rounds`` more times (each round drains its due posts)."""
+    assert isinstance(app.bus, FanOutBus)
+    fan_out = app.bus
+    seen = 0
+    next_due = fan_out._next_due
+
+    async def counted(worker: bus._Worker) -> float:
+        nonlocal seen
+        if worker.adapter.name == platform:
+            seen += 1
+        return await next_due(worker)
+
+    monkeypatch.setattr(fan_out, "_next_due", counted)
+
+    async def enough() -> bool:
+        return seen >= rounds
+
+    await _until(enough)
+
+
+def _cards_on(fakes: Fakes, platform: str) -> list[str]:
+    """The text of every card on ``platform``'s home chat."""
+    if platform == "slack":
+        return [" ".join(m.texts()) for m in fakes.slack.channel(SLACK_CHANNEL) if m.blocks]
+    return [str(m["embeds"]) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_a_card_kept_while_the_token_was_refused_lands_after_the_restart_as_its_first_post(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
+) -> None:
+    """While the platform refused the bot token, the bus tried the kept post again and again, each try failing at
+    once in Kazma, and each counted as an attempt that may have landed a card unrecorded. After the operator's
+    restart the card came to Slack marked "Posted again: … If an earlier copy is above, its buttons do nothing"
+    (counted at ``card_reposted``), though no copy had ever left Kazma. Now a post that certainly landed nothing
+    is no attempt, and nothing is tried with the refused token at all: the card lands as a first post."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            refused = failure_count("token_refused", platform)
+            await _refuse(fakes, platform)
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            await _kept(app, request.id, platform)
+            assert failure_count("token_refused", platform) == refused + 1
+            tried = failure_count("card_post", platform)
+            await _worker_rounds(app, platform, monkeypatch, 20)  # its backoff over many times
+            assert await _kept(app, request.id, platform) == 0  # nothing went out: no attempt that may have landed
+            assert failure_count("card_post", platform) == tried  # and nothing was tried again with that token
+        _heal(fakes, platform, token)
+        reposted = failure_count("card_reposted", platform)
+        async with kazma_on(fakes, store) as app:
+
+            async def posted() -> bool:
+                return platform in [c.platform for c in await app.service.store.cards(request.id)]
+
+            await _until(posted)
+            (card,) = [c for c in await app.service.store.cards(request.id) if c.platform == platform]
+            assert not card.reposted
+        (shown,) = _cards_on(fakes, platform)
+        assert REPOSTED.split(":")[0] not in shown
+        assert failure_count("card_reposted", platform) == reposted
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_a_kept_post_whose_request_was_decided_meanwhile_is_dropped_quietly_after_the_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, platform: str
+) -> None:
+    """A card kept while the platform refused the token, decided on Telegram meanwhile: after the restart Slack's
+    post was said to be a card that "may be unsettled" (``bus.card_maybe_unsettled``, counted), and Discord's was
+    posted by its nonce as a new card showing the outcome, though none of it had ever reached the platform. Now
+    it is skipped, as any post whose request ended before it went: nothing on the platform, nothing said lost."""
+    caplog.set_level(logging.INFO)
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            await _refuse(fakes, platform)
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            await _kept(app, request.id, platform)
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+        _heal(fakes, platform, token)
+        unsettled = failure_count("card_maybe_unsettled", platform)
+        async with kazma_on(fakes, store) as app:
+            outbox = _outbox(app)
+
+            async def handled() -> bool:
+                return not [r for r, p, _, _ in await outbox.pending() if r == request.id and p == platform]
+
+            await _until(handled)
+            assert [c.platform for c in await app.service.store.cards(request.id)].count(platform) == 0
+        assert _cards_on(fakes, platform) == []
+        assert failure_count("card_maybe_unsettled", platform) == unsettled
+        assert not [r for r in caplog.records if r.getMessage() == "bus.card_maybe_unsettled"]
+
+
+@pytest.mark.parametrize("platform", ["slack", "discord"])
+async def test_an_edit_kept_while_the_token_was_refused_is_not_tried_until_the_restart_then_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
+) -> None:
+    """A card on the platform decided on Telegram while the platform refused the token: its edit was tried again
+    at every backoff for as long as Kazma ran, each try failing at once in Kazma yet counted at ``card_settle``,
+    logged as ``bus.card_settle_failed`` and adding to the card's attempts. Now nothing is tried with the refused
+    token; the edit waits unsettled in the store and lands after the restart."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+        async with kazma_on(fakes, store) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def everywhere() -> bool:
+                return len(await app.service.store.cards(request.id)) == 3
+
+            await _until(everywhere)
+            await _refuse(fakes, platform)
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+
+            async def others_settled() -> bool:
+                cards = await app.service.store.cards(request.id)
+                return [c.platform for c in cards if not c.settled_at] == [platform]
+
+            await _until(others_settled)
+            tried = failure_count("card_settle", platform)
+            await _worker_rounds(app, platform, monkeypatch, 20)  # its backoff over many times
+            assert failure_count("card_settle", platform) <= tried + 1  # at most the try that met the refusal
+        _heal(fakes, platform, token)
+        async with kazma_on(fakes, store) as app:
+
+            async def settled() -> bool:
+                return all(c.settled_at for c in await app.service.store.cards(request.id))
+
+            await _until(settled)
+        assert not fakes.has_buttons(platform)
+        assert "APPROVED" in fakes.card_text(platform)
+
+
+async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_once_the_token_is_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram answering a card's post, or a decided card's edit, 401 (the token revoked, fixed at BotFather
+    while Kazma runs, or a passing 401: polling opens again by itself, no restart): the post was given up for good
+    (``bus.card_post_gave_up``) and the card never came to Telegram, and the edit was given up so the decided card
+    kept its buttons there. Now both wait and land once Telegram takes the token again; the post counts no attempt
+    (a 401 landed nothing), so the card is not marked "Posted again"."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        fakes.telegram.script("sendMessage", Fault.server_error(401, "Unauthorized"))
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+        async def on_telegram() -> bool:
+            return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+        await _until(on_telegram)
+        assert [c.status for c in fakes.telegram.calls_to("sendMessage")][:1] == [401]
+        (card,) = [c for c in await app.service.store.cards(request.id) if c.platform == "telegram"]
+        assert not card.reposted
+        assert REPOSTED.split(":")[0] not in fakes.card_text("telegram")
+
+        fakes.telegram.script("editMessageText", Fault.server_error(401, "Unauthorized"))
+        decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                           platform="telegram")  # fmt: skip
+        assert decided.won
+
+        async def settled() -> bool:
+            return all(c.settled_at for c in await app.service.store.cards(request.id))
+
+        await _until(settled)
+        assert [c.status for c in fakes.telegram.calls_to("editMessageText")][:1] == [401]
+        assert not fakes.has_buttons("telegram")
+        assert "APPROVED" in fakes.card_text("telegram")
+
+
+async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
+    """Slack refused the token while a card on it was decided and more cards were opened: after the restart the
+    kept posts went first, one a second in Slack's pacing, and the decided card kept its live-looking buttons
+    behind all of them. An edit goes before the next post, as for a decision made while Kazma runs."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        async with kazma_on(fakes, store) as app:
+            decided = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def everywhere() -> bool:
+                return len(await app.service.store.cards(decided.id)) == 3
+
+            await _until(everywhere)
+            await _refuse(fakes, "slack")
+            kept = []
+            for n in range(2):
+                command = {"command": f"make {n}"}
+                kept.append(await app.service.open("shell", command, "agent:builder", "telegram:-1001", durable=True))
+            for request in kept:
+                await _kept(app, request.id, "slack")
+            won = await app.service.decide(decided.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                           platform="telegram")  # fmt: skip
+            assert won.won
+        _heal(fakes, "slack", "")
+        calls = len(fakes.slack.calls)
+        async with kazma_on(fakes, store) as app:
+
+            async def all_done() -> bool:
+                cards = await app.service.store.cards(decided.id)
+                posted = [await app.service.store.cards(r.id) for r in kept]
+                return all(c.settled_at for c in cards) and all("slack" in [c.platform for c in p] for p in posted)
+
+            await _until(all_done)
+        order = [c.method for c in fakes.slack.calls[calls:] if c.method in ("chat.update", "chat.postMessage")]
+        assert order == ["chat.update", "chat.postMessage", "chat.postMessage"]
