@@ -271,7 +271,7 @@ class Replication:
 
         async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
             held = await lease_session(self.store.pool, self.lease.key)
-            if leader or (held is not None and held == (self.replica, pid)):
+            if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a
                 # leader of an earlier release's, "serving through the leader (itself)" with nothing open.
                 return held, None
@@ -288,7 +288,8 @@ class Replication:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:
             problem = self.listener.problem
-        holds = leader or (held is not None and held == (self.replica, pid))
+        # Told by the session alone: the name the database shows is cut at 63 bytes, the replica's may be longer.
+        holds = leader or (held is not None and pid is not None and held[1] == pid)
         return ReplicaHealth(
             self.replica, leader, holder, reachable, self.listener.connected, problem, inbound, holds_lease=holds
         )
