@@ -279,9 +279,10 @@ class FanOutBus:
         self._off: dict[str, str] = {}
         self._ingress_failed: dict[str, str] = {}
         self._leading = True  # whether this process holds the singleton ingress (a replica only while it leads)
-        # The singleton ingresses a start_ingress is opening, and since when (wall clock): the adapter counts one
-        # as running from the moment its open begins (Discord's until READY), and as closed before that.
-        self._opening: dict[str, float] = {}
+        # The singleton ingresses a start_ingress is opening: since when (wall clock), and why each was not open
+        # then. The adapter counts one as running from the moment its open begins (Discord's until READY), and
+        # from then on no longer says its own trouble (Discord's closed gateway, Telegram's ended poller).
+        self._opening: dict[str, tuple[float, str | None]] = {}
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -405,8 +406,10 @@ class FanOutBus:
         began = time.time()
         if what == "start_ingress":
             for name, single in targets:
-                if not single.ingress_running and setup_refused(self.adapters[name]) is None:
-                    self._opening[name] = began
+                adapter = self.adapters[name]
+                if not single.ingress_running and setup_refused(adapter) is None:
+                    # Read now: once the open begins the adapter runs, and its trouble (the reason) reads None.
+                    self._opening[name] = (began, self._ingress_failed.get(name) or ingress_trouble(adapter))
 
         async def one(name: str, single: SingletonIngress) -> None:
             try:
@@ -419,10 +422,21 @@ class FanOutBus:
                 count_failure(what, name)
                 log.error("bus.ingress_change_failed", platform=name, action=what, error=str(exc))
             finally:
-                if self._opening.get(name) == began:  # not a later start's mark
-                    del self._opening[name]
+                self._opened(name, began)
 
-        await asyncio.gather(*(one(name, single) for name, single in targets))
+        try:
+            await asyncio.gather(*(one(name, single) for name, single in targets))
+        finally:
+            # Cancelled before an open ran (a stop, a lost lease), that open's own cleanup never ran: its mark
+            # said "opening" of an ingress nothing opened, until another start replaced it.
+            for name, _ in targets:
+                self._opened(name, began)
+
+    def _opened(self, name: str, began: float) -> None:
+        """The open of ``name`` begun at ``began`` ended (or never ran): its mark goes, not a later start's."""
+        mark = self._opening.get(name)
+        if mark is not None and mark[0] == began:
+            del self._opening[name]
 
     def inbound_states(self, since: Mapping[str, InboundState], now: float) -> dict[str, InboundState]:
         """This replica's singleton ingresses, as the leader records them for the followers' ``/healthz``: each
@@ -438,7 +452,7 @@ class FanOutBus:
                 states[name] = InboundState(INBOUND_OPENING, f"inbound connection opening since {_clock_time(at)}", at)
                 continue
             if name in self._started and name in self._opening:
-                states[name] = InboundState(INBOUND_OPENING, self._health(name, adapter).state, self._opening[name])
+                states[name] = InboundState(INBOUND_OPENING, self._health(name, adapter).state, self._opening[name][0])
                 continue
             if name in self._started and single.ingress_running:
                 health = self._health(name, adapter)
@@ -495,8 +509,8 @@ class FanOutBus:
         single = singleton_ingress(adapter)
         trouble = ingress_trouble(adapter)
         if single is not None and self._leading and name in self._opening:
-            at = _clock_time(self._opening[name])
-            why = self._ingress_failed.get(name)
+            began, why = self._opening[name]
+            at = _clock_time(began)
             return PlatformHealth(
                 name, False, f"inbound connection opening since {at}" + (f" (it was not open: {why})" if why else "")
             )

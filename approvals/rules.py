@@ -16,12 +16,14 @@ and are refused (the call gets a card; they expire within
 from __future__ import annotations
 
 import secrets
+import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final
 
 from kazma.approvals.approval_checks import approval_problem, decided_among
+from kazma.approvals.chain import undecodable
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, RuleFields, SealProblem, rule_seal_problem, seal_rule
 from kazma.approvals.store import UnreadableRequest
@@ -368,16 +370,25 @@ class _ReadAhead(_Reads):
         self,
         store: ApprovalStore,
         requests: Mapping[str, ApprovalRequest | UnreadableRequest],
-        events: Mapping[str, list[AuditEvent]],
+        events: Mapping[str, list[AuditEvent]] | None,
     ) -> None:
         super().__init__(store)
         self._requests = requests
-        self._events = events
+        self._events = events  # None: each rule's read from the store, as alone
 
     @classmethod
     async def of(cls, store: ApprovalStore, request_ids: Sequence[str]) -> _ReadAhead:
         requests = await store.requests_of(request_ids)
-        return cls(store, requests, await store.events_of(request_ids, _READ_EVENTS))
+        try:
+            events: Mapping[str, list[AuditEvent]] | None = await store.events_of(request_ids, _READ_EVENTS)
+        except sqlite3.OperationalError as exc:
+            if not undecodable(exc):
+                raise
+            # An audit row that is not UTF-8 (written around Kazma) failed the read of every listed rule's, and the
+            # listing raised, though reading a rule alone reads such a row only when that rule's judging needs it
+            # (never for an approval whose own row cannot be read): each rule reads its own, as alone.
+            events = None
+        return cls(store, requests, events)
 
     async def request(self, request_id: str) -> ApprovalRequest | None:
         found = self._requests.get(request_id)
@@ -387,6 +398,8 @@ class _ReadAhead(_Reads):
 
     async def events(self, request_id: str, event: str) -> list[AuditEvent]:
         assert event in _READ_EVENTS  # a row not read beforehand would read as none: never there
+        if self._events is None:
+            return await super().events(request_id, event)
         return [e for e in self._events.get(request_id, ()) if e.event == event]
 
 

@@ -95,6 +95,8 @@ class ReplicaHealth:
     problem: str | None
     # On a follower: what the lease holder recorded of its inbound connections (None on the leader)
     leader_inbound: LeaderInbound | None = None
+    # This replica's lease session holds the lock (the leader, or one waiting out the old leader's grace)
+    holds_lease: bool = False
 
     @property
     def ok(self) -> bool:
@@ -263,11 +265,15 @@ class Replication:
         problem: str | None = None
         reachable = True
         inbound: LeaderInbound | None = None
+        held: tuple[str, int] | None = None
         leader = self.is_leader
+        pid = self.lease.backend_pid
 
         async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
             held = await lease_session(self.store.pool, self.lease.key)
-            if leader:
+            if leader or (held is not None and pid is not None and held[1] == pid):
+                # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a
+                # leader of an earlier release's, "serving through the leader (itself)" with nothing open.
                 return held, None
             if held is None:
                 return held, LeaderInbound(None, None)
@@ -282,7 +288,11 @@ class Replication:
             reachable, problem = False, str(exc).strip() or type(exc).__name__
         if problem is None and not self.listener.connected:
             problem = self.listener.problem
-        return ReplicaHealth(self.replica, leader, holder, reachable, self.listener.connected, problem, inbound)
+        # Told by the session alone: the name the database shows is cut at 63 bytes, the replica's may be longer.
+        holds = leader or (held is not None and pid is not None and held[1] == pid)
+        return ReplicaHealth(
+            self.replica, leader, holder, reachable, self.listener.connected, problem, inbound, holds_lease=holds
+        )
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------
 

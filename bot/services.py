@@ -155,7 +155,7 @@ class KazmaServices:
     def platform_health(self, replica: ReplicaHealth | None = None) -> list[PlatformHealth]:
         if replica is None:
             return self._bus.health()
-        return self._bus.health(replica.leader_inbound, leads=replica.leader)
+        return self._bus.health(replica.leader_inbound, leads=replica.holds_lease)
 
     @property
     def console_decides(self) -> bool:

@@ -460,3 +460,39 @@ async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_
             for platform in ("telegram", "discord"):
                 assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
             assert (status, lines[0]) == (200, "ok"), lines  # Slack, served by every replica, takes presses
+
+
+async def test_a_replica_holding_the_lock_while_it_waits_out_the_grace_does_not_say_it_serves_through_itself(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that took the advisory lock waits out the old leader's grace (3.5 s by default) before it leads,
+    and records nothing meanwhile. Reading itself as a follower, it took its own empty record for a leader of an
+    earlier release and said "serving through the leader (a), which records no inbound state" of Telegram's
+    polling and Discord's gateway, which nobody had open. It now says it took the lease and is about to open
+    them, as once its duties start."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
+    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
+    # A grace long enough to look inside it: the lock is taken, the lease not yet declared.
+    slow = LeaseTiming(check_interval=30.0, check_timeout=0.3, retry_interval=0.1, server_drop_after=60.0)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: slow)
+    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with (
+        three_fakes() as fakes,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x,
+    ):
+        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+        async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a, served(a, tmp_path / "a") as url:
+            replication = a.replication
+            assert replication is not None
+            await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+
+            async def lock_taken() -> bool:
+                return "lease held by a" in (await healthz(url))[1]
+
+            await until(lock_taken)
+            _, lines = await healthz(url)
+            assert not replication.is_leader  # still waiting out the grace
+            for platform in ("telegram", "discord"):
+                assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines

@@ -360,3 +360,53 @@ async def _post_ended(outbox: object, request_id: str, platform: str) -> bool:
     """Whether ``request_id``'s card post on ``platform`` is no longer pending in the outbox (posted or given up)."""
     pending = await outbox.pending()  # type: ignore[attr-defined]
     return not [r for r, p, _, _ in pending if r == request_id and p == platform]
+
+
+async def test_an_ingress_opened_again_says_why_it_was_not_open_while_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Discord closed the gateway with 4004 (discord.py does not reconnect after it): /healthz said "inbound
+    connection not open (<Discord's close>)". While the ingress check opened it again (a new login, then the
+    gateway waiting for READY) the line said only "inbound connection opening since ...": the reason was the
+    adapter's own (a failed open is the bus's), and the adapter counts as running once an open begins, so it no
+    longer said it. The opening line keeps why the connection was not open."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
+    monkeypatch.setattr(lifecycle, "INGRESS_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app, served(app, tmp_path) as url:
+        lost = failure_count("ingress_lost", "discord")
+        fakes.discord.gateway_open.clear()  # the open that follows waits here, before READY
+        assert await fakes.discord.drop_gateway(code=4004) == 1
+        await until(lambda: failure_count("ingress_lost", "discord") > lost)
+
+        def discord_line() -> str:
+            return next((h.state for h in app.bus.health() if h.platform == "discord"), "")
+
+        await until(lambda: discord_line().startswith("inbound connection opening since "))
+        _, lines = await healthz(url)
+        discord = next((line for line in lines if line.startswith("platform discord: ")), "")
+        assert discord.startswith("platform discord: inbound connection opening since "), lines
+        assert "(it was not open: " in discord, lines
+        assert "4004" in discord, lines
+        fakes.discord.gateway_open.set()
+        await until(lambda: discord_line() == "serving")
+
+
+async def test_an_open_cancelled_before_it_ran_leaves_no_opening_line_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ingress check cancelled (a stop, a lost lease) just after it marked Discord "opening" and before the open
+    itself had run: the open's own cleanup never ran, and /healthz said "inbound connection opening since ..." of a
+    gateway nothing was opening, until another open replaced the mark."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # nothing opens it again meanwhile
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, bus.FanOutBus)
+        lost = failure_count("ingress_lost", "discord")
+        assert await fakes.discord.drop_gateway(code=4004) == 1
+        await until(lambda: failure_count("ingress_lost", "discord") > lost)
+        opening = asyncio.create_task(app.bus.start_ingress())
+        await asyncio.sleep(0)  # marked, the opens scheduled and not yet run
+        opening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await opening
+        discord = next(h.state for h in app.bus.health() if h.platform == "discord")
+        assert discord.startswith("inbound connection not open ("), discord

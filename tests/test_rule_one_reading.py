@@ -342,3 +342,31 @@ async def test_a_listing_of_many_rules_reads_each_as_alone_in_a_few_queries(
         assert listed == alone
         audit_reads = len([s for s in statements if "FROM approval_events" in s])
         assert 2 <= audit_reads <= 3, statements
+
+
+async def test_a_listing_over_an_unreadable_approval_with_an_unreadable_audit_row_reads_as_each_rule_alone(
+    tmp_path: Path,
+) -> None:
+    """A request row and one of its decided audit rows holding bytes that are not UTF-8 (written around Kazma):
+    reading the rule alone says "refused: its approval cannot be read" and never reads the audit rows. The listing
+    read every listed request's audit rows in one query, which failed on that row: `kazma approvals rules list`
+    and the console's rules view raised "Could not decode to UTF-8 column 'actor'" for every rule. Now a listing
+    meeting such a row reads each rule's audit rows as reading it alone does."""
+    async with a_store(tmp_path) as store:
+        fine, bad = await store.remember("telegram:111"), await store.remember("telegram:222")
+        await _approval_row_unreadable(store, bad)
+        await store.write(
+            "INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+            " VALUES (?, 'decided', CAST(X'ff64' AS TEXT), 'telegram', 0, ?, 'approved')",
+            (bad.request_id, bad.args_hash),
+        )
+        service = store.service()
+        now = store.clock()
+        rules = [fine, bad]
+        alone = [
+            (await rule_standing(service.store, r, config=service.config, keyring=TEST_KEYRING, now=now))[0]
+            for r in rules
+        ]
+        assert [s.name for s in alone] == ["active", "refused"]
+        listed = await rule_states(service.store, rules, config=service.config, keyring=TEST_KEYRING, now=now)
+        assert listed == alone
