@@ -400,3 +400,31 @@ async def test_attack_json_python_s_parser_reads_only_leniently_is_answered_for_
             }
         assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_a_line_longer_than_the_api_takes_with_its_id_in_doubt_is_answered_with_null(
+    tmp_path: Path,
+) -> None:
+    """A line over the limit was answered for the id its top level was read to have, checked less than a line within
+    the limit is: an id given as ``"\\ud800"`` (no Unicode text) made the SDK's writer raise and ended the door,
+    with every call open on it; an id named twice (``"id"`` and ``"\\u0069d"`` alike, which the reader did not
+    know for ``id``) was answered for the last, another request of the client's own when its parser kept the
+    first; an id too long to keep was not answered at all. Each is answered with id null now, as a line within the
+    limit is, and a request naming ``"\\u0069d"`` once is answered for it."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    over = '{"jsonrpc":"2.0",%s,"method":"tools/list","params":{"_meta":{"pad":"%s"}}}'
+    pad = "b" * MAX_LINE_BYTES
+    ids = ['"id":7,"id":8', '"id":7,"\\u0069d":8', f'"id":"{"i" * 300}"', '"\\u0069d":9']
+    ids.append('"id":"\\ud800"')  # last: the line that ended the door, once every other is read
+    lines = [over % (given, pad) for given in ids]
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        for line in lines:
+            await anyio.to_thread.run_sync(client.send, line)  # from a thread: a pipe holds less than the line
+        client.send('{"jsonrpc":"2.0","id":3,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(len(lines) + 1)]
+        assert [found["id"] for found in answered] == [None, None, None, 9, None, 3], answered
+        for found in answered[:-1]:
+            assert found["error"]["message"].startswith("the line is longer than the 256 KiB a message may be ("), found
+        assert [tool["name"] for tool in answered[-1]["result"]["tools"]] == ["request_approval"]
