@@ -170,6 +170,22 @@ def test_the_envelope_finds_the_id_an_answer_carries_in_any_key_order(
     assert envelope.answers == answers
 
 
+def test_the_envelope_reads_a_key_written_with_escapes_and_counts_the_ids_named() -> None:
+    """A key written with escapes (``"\\u0069d"``) is the key ``id`` to any JSON parser: the envelope read it as
+    some other key, so a line naming ``id`` twice so was taken to name it once, and a request naming it only so
+    for a notification. It is read as the parser reads it, and how often ``id`` is named is counted."""
+    escaped = Envelope()
+    escaped.feed(b'{"jsonrpc":"2.0","\\u0069d":9,"\\u006dethod":"x","params":{"id":1}}')
+    assert (escaped.request_id, escaped.ids, escaped.kinds) == (9, 1, {b"method"})
+    twice = Envelope()
+    twice.feed(b'{"id":7,"method":"x","\\u0069d":8}')
+    assert twice.ids == 2
+    unread = Envelope()
+    unread.feed(b'{"\\u00')
+    unread.feed(b'69d":"\\ud800","method":"x"}')
+    assert (unread.ids, unread.kinds) == (1, {b"method"})
+
+
 def test_the_cutter_passes_lines_within_the_bound_and_answers_one_over_it_once() -> None:
     big = json.dumps({"result": {"content": [{"type": "text", "text": "x" * 5000}]}, "jsonrpc": "2.0", "id": 7})
     cutter = LineCutter(limit=1000)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import sys
@@ -400,3 +401,112 @@ async def test_attack_json_python_s_parser_reads_only_leniently_is_answered_for_
             }
         assert [tool["name"] for tool in answered[4]["result"]["tools"]] == ["request_approval"]
         assert await door.app.service.store.requests(limit=5) == []
+
+
+async def test_attack_a_line_longer_than_the_api_takes_with_its_id_in_doubt_is_answered_with_null(
+    tmp_path: Path,
+) -> None:
+    """A line over the limit was answered for the id its top level was read to have, checked less than a line within
+    the limit is: an id given as ``"\\ud800"`` (no Unicode text) made the SDK's writer raise and ended the door,
+    with every call open on it; an id named twice (``"id"`` and ``"\\u0069d"`` alike, which the reader did not
+    know for ``id``) was answered for the last, another request of the client's own when its parser kept the
+    first; an id too long to keep was not answered at all. Each is answered with id null now, as a line within the
+    limit is, and a request naming ``"\\u0069d"`` once is answered for it."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    over = '{"jsonrpc":"2.0",%s,"method":"tools/list","params":{"_meta":{"pad":"%s"}}}'
+    pad = "b" * MAX_LINE_BYTES
+    ids = ['"id":7,"id":8', '"id":7,"\\u0069d":8', f'"id":"{"i" * 300}"', '"\\u0069d":9']
+    ids.append('"id":"\\ud800"')  # last: the line that ended the door, once every other is read
+    lines = [over % (given, pad) for given in ids]
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        for line in lines:
+            await anyio.to_thread.run_sync(client.send, line)  # from a thread: a pipe holds less than the line
+        client.send('{"jsonrpc":"2.0","id":3,"method":"tools/list"}')
+        answered = [await client.receive() for _ in range(len(lines) + 1)]
+        assert [found["id"] for found in answered] == [None, None, None, 9, None, 3], answered
+        for found in answered[:-1]:
+            assert found["error"]["message"].startswith("the line is longer than the 256 KiB a message may be ("), found
+        assert [tool["name"] for tool in answered[-1]["result"]["tools"]] == ["request_approval"]
+
+
+async def test_a_line_of_exactly_the_limit_is_served_and_one_byte_more_is_not(tmp_path: Path) -> None:
+    """The limit is the longest line served (its LF not counted): a line of exactly ``MAX_LINE_BYTES`` is answered
+    as any other; one byte more is refused for its id."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    def padded(request_id: int, size: int) -> str:
+        shape = '{"jsonrpc":"2.0","id":%d,"method":"tools/list","params":{"_meta":{"pad":"%s"}}}'
+        line = shape % (request_id, "b" * (size - len(shape % (request_id, ""))))
+        assert len(line.encode()) == size
+        return line
+
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        await anyio.to_thread.run_sync(client.send, padded(2, MAX_LINE_BYTES))
+        await anyio.to_thread.run_sync(client.send, padded(3, MAX_LINE_BYTES + 1))
+        served, refused = await client.receive(), await client.receive()
+        assert served["id"] == 2, served
+        assert [tool["name"] for tool in served["result"]["tools"]] == ["request_approval"]
+        assert refused["id"] == 3, refused
+        assert refused["error"]["message"].startswith(
+            f"the line is longer than the 256 KiB a message may be ({MAX_LINE_BYTES + 1} bytes)"
+        ), refused
+
+
+class _Chunks(io.RawIOBase):
+    """A pipe whose reads return ``chunks`` one at a time (no more than a read asks for), as a pipe returns what
+    has been written so far."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = chunks
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self._chunks:
+            return 0
+        chunk = self._chunks.pop(0)
+        taken, rest = chunk[: len(buffer)], chunk[len(buffer) :]
+        if rest:
+            self._chunks.insert(0, rest)
+        buffer[: len(taken)] = taken
+        return len(taken)
+
+
+async def _lines_read(chunks: list[bytes]) -> list[bytes | tuple[int, Any]]:
+    from kazma.bot.cli.mcp_stdio import _bounded_lines
+
+    # a buffer no larger than the smallest read: each read1 returns one chunk, as written
+    source = anyio.wrap_file(io.BufferedReader(_Chunks(chunks), buffer_size=1))
+    return [
+        read if isinstance(read, bytes) else (read.size, read.envelope.request_id)
+        async for read in _bounded_lines(source)
+    ]
+
+
+async def test_lines_are_the_same_wherever_the_reads_cut_them() -> None:
+    """What the door reads is cut into reads wherever the pipe happened to be: a CR ending one read and its LF
+    beginning the next, a line of exactly the limit whose LF comes in the next read, a UTF-8 character split
+    between reads, a last line with no LF before EOF, EOF while a line over the limit is being let go. The lines
+    (and the answers to the lines over the limit) are the same for every cut."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    exact = b'{"id":1,"x":"' + b"a" * (MAX_LINE_BYTES - 15) + b'"}'
+    over = b'{"id":2,"x":"' + b"a" * (MAX_LINE_BYTES - 14) + b'"}'
+    stream = b'{"a":"\xc3\xa9"}\r\n\n' + exact + b"\n" + over + b'\n{"b":"\xe2\x80\xa8"}\r\n' + b'{"id":3'
+    wanted = [b'{"a":"\xc3\xa9"}\r', b"", exact, (len(over), 2), b'{"b":"\xe2\x80\xa8"}\r', b'{"id":3']
+    assert len(exact) == MAX_LINE_BYTES
+    assert len(over) == MAX_LINE_BYTES + 1
+    assert await _lines_read([stream]) == wanted
+    # cut at (and one byte either side of) each CRLF's LF, inside each UTF-8 character, at each long line's LF
+    cuts = [stream.index(b"\r\n") + 1, stream.index(b"\xc3") + 1, stream.index(b"\xe2") + 2, len(stream) - 1]
+    cuts += [stream.index(line) + len(line) for line in (exact, over)] + [stream.rindex(b"\r\n") + 1]
+    for end in cuts:
+        for cut in (end - 1, end, end + 1):
+            assert await _lines_read([stream[:cut], stream[cut:]]) == wanted, cut
+    assert await _lines_read([stream[at : at + 4096] for at in range(0, len(stream), 4096)]) == wanted
+    # EOF with a line over the limit half let go: it is answered for, and reading ends
+    assert await _lines_read([over[: MAX_LINE_BYTES + 1], over[MAX_LINE_BYTES + 1 : -5]]) == [(MAX_LINE_BYTES + 1, 2)]

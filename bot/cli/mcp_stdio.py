@@ -338,14 +338,18 @@ class _CheckedLines(anyio.AsyncFile[str]):
     async def _answer_too_long(self, line: _TooLong) -> None:
         """Answer a line longer than ``MAX_LINE_BYTES``, for the request it began (its id as far as it was read)."""
         log.warning("mcp.line_too_long", size=line.size, limit=MAX_LINE_BYTES)
-        kinds = line.envelope.kinds
-        if (b"method" in kinds and line.envelope.id_bytes is None) or (b"method" not in kinds and kinds):
+        envelope = line.envelope
+        if (b"method" in envelope.kinds and not envelope.ids) or (b"method" not in envelope.kinds and envelope.kinds):
             return  # a notification, or the client's answer to a request of ours: JSON-RPC answers neither
         problem = (
             f"the line is longer than the {MAX_LINE_BYTES // 1024} KiB a message may be ({line.size} bytes):"
             " send smaller arguments"
         )
-        await self._send(line.envelope.request_id, INVALID_REQUEST, problem)
+        # As a line within the limit is answered: an id named twice is in doubt (the client's parser may have kept
+        # the other, another request of its own), and one that is no Unicode text ("\ud800") cannot be written
+        # back (the SDK's writer raised, and the door ended with every call open on it).
+        request_id = _answerable_id((("id", envelope.request_id),)) if envelope.ids == 1 else None
+        await self._send(request_id, INVALID_REQUEST, problem)
 
     async def _answer_unreadable(self, line: str, error: str) -> None:
         """Answer a line the SDK cannot read, which it would drop unanswered (its caller waiting for ever)."""

@@ -87,6 +87,8 @@ class Envelope:
         self._value_of: bytes | None = None  # the key whose value comes next
         self._done = False
         self.id_bytes: bytes | None = None  # the id as written (a JSON string with its quotes, or a number)
+        # how often the top level names "id": more than once, which of them the sender's parser kept is in doubt
+        self.ids = 0
         self.kinds: set[bytes] = set()
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
@@ -162,7 +164,7 @@ class Envelope:
                 self.id_bytes = b'"' + bytes(captured) + b'"'
         elif self._expect_key:
             self._expect_key = False
-            self._key = bytes(captured) if captured is not None else b""
+            self._key = _key_name(captured)
             if self._key in _KINDS:
                 self.kinds.add(self._key)
 
@@ -203,6 +205,8 @@ class Envelope:
                 self._capture, self._capturing_id = bytearray(), True
         elif byte == ord(":"):
             self._value_of = self._key
+            if self._key == b"id":
+                self.ids += 1
         elif byte == ord(","):
             self._expect_key = True
         elif byte in (ord("{"), ord("[")):
@@ -211,6 +215,19 @@ class Envelope:
             self._done = True
         elif value_of == b"id":
             self._literal = bytearray([byte])
+
+
+def _key_name(raw: bytearray | None) -> bytes:
+    """A top-level key as a JSON parser reads it: one written with escapes (``"\\u0069d"``) is still ``id``."""
+    if raw is None:
+        return b""
+    if b"\\" not in raw:
+        return bytes(raw)
+    try:
+        name = json.loads((b'"' + raw + b'"').decode("utf-8"))
+    except ValueError:
+        return bytes(raw)
+    return str(name).encode("utf-8", "surrogatepass")
 
 
 # --------------------------------------------------------------------------- lines, bounded
