@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
@@ -892,6 +893,45 @@ async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_
     assert fake.responses[0]["response_type"] == "ephemeral"
     assert fake.responses[0]["text"] == slack_adapter.REASON_FORM_REFUSED
     assert (fake.calls_to("views.open"), fake.views, recorder.presses) == ([], [], [])
+
+
+async def test_a_press_reply_slack_does_not_take_counts_once(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    """The kit counts a failed call at its site (press_reply), and the press policy counted the same failure again
+    when the reply failed: a press whose response URL answered 404, or whose chat.postEphemeral Slack refused, read
+    as 2 on kazma_failures_total{site="press_reply",platform="slack"}. Once each now."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    recorder.press_result = PressResult(PressVerdict.LOST, "Decided already.", request_id=card.request_id)
+    fake.fail("chat.postEphemeral", "error", error="user_not_in_channel")
+    before = failure_count("press_reply", "slack")
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 1)
+    assert [c.error for c in fake.calls_to("chat.postEphemeral")] == ["user_not_in_channel"]
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    payload = fake.block_action_payload(
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    payload["response_url"] = f"{fake.url}/respond-gone"  # expired: Slack answers 404
+    form = urlencode({"payload": json.dumps(payload)})
+    assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+    await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 2)
+    assert len(recorder.presses) == 2
+    assert failure_count("press_reply", "slack") == before + 2
 
 
 @pytest.mark.parametrize(
