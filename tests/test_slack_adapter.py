@@ -29,9 +29,10 @@ from kazma.adapters.contract import (
     ingress_trouble,
 )
 from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.press_policy import NOT_YOURS
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack import adapter as slack_adapter
-from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION, escape
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -932,6 +933,40 @@ async def test_a_press_reply_slack_does_not_take_counts_once(
     await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 2)
     assert len(recorder.presses) == 2
     assert failure_count("press_reply", "slack") == before + 2
+
+
+async def test_an_unserved_deny_with_reason_while_slack_refuses_the_bot_token_is_told_through_the_response_url(
+    fake: FakeSlack, recorder: Recorder
+) -> None:
+    """ "Deny with reason" from someone whose press would not count is told so privately instead of a form, with
+    chat.postEphemeral, which a refused bot token cannot send: they saw nothing happen. The press's response URL
+    needs no token: they are told there."""
+
+    async def may_decide(actor: str, platform: str, request_id: str) -> bool:
+        return actor != f"slack:{PERSON}"
+
+    adapter = SlackAdapter(slack_config(fake), request_timeout=1)
+    await adapter.start(Handlers(on_inbound=recorder.on_inbound, on_press=recorder.on_press, may_decide=may_decide))
+    try:
+        card = make_card({"x": 1})
+        ref = await adapter.post_card(card)
+        fake.revoke(fake.bot_token, "token_revoked")
+        with pytest.raises(PlatformError):
+            await adapter.send_text(HOME, "the refusal, known")
+        await fake.post_block_action(
+            events_url(adapter),
+            action_id=DENY_REASON_ACTION,
+            value=f"kz1:{card.request_id}:n",
+            user=PERSON,
+            channel=HOME,
+            message_ts=ref.message_id,
+        )
+        await fake.wait_for(lambda: len(fake.responses) == 1)
+        assert fake.responses[0]["response_type"] == "ephemeral"
+        assert fake.responses[0]["text"].startswith(escape(NOT_YOURS))
+        assert (fake.calls_to("views.open"), fake.calls_to("chat.postEphemeral"), recorder.presses) == ([], [], [])
+    finally:
+        await adapter.stop()
 
 
 @pytest.mark.parametrize(

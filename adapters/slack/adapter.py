@@ -822,8 +822,11 @@ class SlackAdapter(PlatformBase):
             if refusal is not None:
                 # Told now, privately, not after typing a reason into a modal whose Deny would not count.
                 log.info("slack.reason_refused", actor=self.actor(user), request_id=request_id)
+                # The response URL too: with the bot token refused it is the one way they hear it.
+                responds = body.get("response_url")
+                reply = _EphemeralReply(self, channel, user, responds if isinstance(responds, str) else None)
                 with contextlib.suppress(PlatformError):
-                    await _EphemeralReply(self, channel, user).notify(refusal)
+                    await reply.notify(refusal)
                 return
             meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
             view = {
