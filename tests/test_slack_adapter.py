@@ -16,6 +16,7 @@ from urllib.parse import urlencode
 import aiohttp
 import pytest
 import structlog
+from aiohttp import web
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import (
@@ -869,6 +870,61 @@ async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_th
     assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
     assert said["text"] == f"{verdict.value} &lt;here&gt; {slack_adapter.CARD_NOT_EDITED}"
     assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
+
+
+@contextlib.asynccontextmanager
+async def forwarding_proxy() -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP proxy that forwards each request and keeps the URL it was asked for."""
+    asked: list[str] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        asked.append(str(request.url))
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(request.method, request.url, data=await request.read(), headers=request.headers) as got,
+        ):
+            return web.Response(status=got.status, body=await got.read())
+
+    server = web.Application()
+    server.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(server)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_press_reply_through_the_response_url_goes_through_the_configured_proxy(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slack's Web API calls go through HTTP(S)_PROXY (slack_sdk reads it) unless NO_PROXY names the host, but the
+    press's response URL was posted to directly: where the only way out is the proxy, the presser told there while
+    Slack refuses the bot token heard nothing. It goes the Web API's way now."""
+    async with forwarding_proxy() as (proxy, asked):
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        for name in ("NO_PROXY", "no_proxy"):  # the fake's API straight; its other name through the proxy
+            monkeypatch.setenv(name, "127.0.0.1")
+        adapter = await start_adapter()
+        card = make_card({"x": 1})
+        ref = await adapter.post_card(card)
+        fake.revoke(fake.bot_token, "token_revoked")
+        with pytest.raises(PlatformError):
+            await adapter.send_text(HOME, "the refusal, known")
+        payload = fake.block_action_payload(
+            action_id=APPROVE_ACTION,
+            value=card.button_data(Decision.APPROVE),
+            user=ADMIN,
+            channel=HOME,
+            message_ts=ref.message_id,
+        )
+        payload["response_url"] = str(payload["response_url"]).replace("127.0.0.1", "localhost")
+        form = urlencode({"payload": json.dumps(payload)})
+        assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+        await fake.wait_for(lambda: len(fake.responses) == 1)
+        assert asked == [payload["response_url"]]
 
 
 async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
