@@ -133,6 +133,13 @@ def _clock_time(at: float) -> str:
     return time.strftime("%H:%M:%S UTC", time.gmtime(at))
 
 
+def _reopens(adapter: PlatformAdapter) -> bool:
+    """Whether the leader opens ``adapter``'s ingress (again): not one that refused Kazma's setup while it ran,
+    which could only be refused again, unless its presses outlive that refusal (Slack's socket is the app-level
+    token's, not the refused bot token's). Every place that opens it, or says it is opening, asks this one."""
+    return setup_refused(adapter) is None or presses_outlive_refusal(adapter)
+
+
 def _kept(since: Mapping[str, InboundState], name: str, state: str, now: float) -> float:
     """When a platform's inbound state began: the last record's moment when the state is the same, else now."""
     before = since.get(name)
@@ -396,7 +403,7 @@ class FanOutBus:
             if name in self._started
             and (single := singleton_ingress(adapter))
             and not single.ingress_running
-            and (setup_refused(adapter) is None or presses_outlive_refusal(adapter))
+            and _reopens(adapter)
         ]
 
     async def _each_ingress(self, what: str) -> None:
@@ -407,7 +414,7 @@ class FanOutBus:
         if what == "start_ingress":
             for name, single in targets:
                 adapter = self.adapters[name]
-                if not single.ingress_running and setup_refused(adapter) is None:
+                if not single.ingress_running and _reopens(adapter):
                     # Read now: once the open begins the adapter runs, and its trouble (the reason) reads None.
                     self._opening[name] = (began, self._ingress_failed.get(name) or ingress_trouble(adapter))
 
@@ -446,7 +453,7 @@ class FanOutBus:
         for name, adapter in self.adapters.items():
             if name not in CHAT_PLATFORMS or (single := singleton_ingress(adapter)) is None:
                 continue
-            if name in self._started and not self._leading and setup_refused(adapter) is None:
+            if name in self._started and not self._leading and _reopens(adapter):
                 # The lease is this replica's and the leader's duties are starting: the ingress is about to open.
                 at = _kept(since, name, INBOUND_OPENING, now)
                 states[name] = InboundState(INBOUND_OPENING, f"inbound connection opening since {_clock_time(at)}", at)

@@ -174,6 +174,9 @@ class PressPolicy(ABC):
         try:
             await say(text)
         except Exception as exc:
-            count_failure("press_reply", self.name)
+            # A platform's call counted its own failure (the kit's failed()): counted here too, one reply that
+            # did not go out read as two.
+            if not (isinstance(exc, PlatformError) and exc.counted):
+                count_failure("press_reply", self.name)
             error = exc if isinstance(exc, PlatformError) else self.classify("press_reply", exc)
             log.warning("platform.press_reply_failed", platform=self.name, error=str(error))

@@ -356,6 +356,37 @@ async def test_slack_s_socket_is_opened_again_while_the_bot_token_is_refused_and
         assert line.startswith("platform slack: presses still decide, card posts and edits refused: "), line
 
 
+async def test_slack_s_socket_opened_again_while_the_bot_token_is_refused_says_opening_not_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader opens a Slack socket again while Slack refuses the bot token (its presses outlive the refusal),
+    but the "opening" mark left out every platform that refused Kazma's setup: while the socket was being opened,
+    /healthz said it was not open, as of a socket nothing was opening."""
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
+
+    def socket_mode(text: str) -> str:
+        return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
+
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", edit=socket_mode) as app:
+        slack = app.bus.adapters["slack"]
+        assert isinstance(slack, SlackAdapter)
+        await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
+        fakes.slack.revoke(fakes.slack.bot_token)
+        with pytest.raises(PlatformError):
+            await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+        opened = len(fakes.slack.calls_to("apps.connections.open"))
+        fakes.slack.fail("apps.connections.open", "hang")
+        await slack.stop_ingress()  # as after an opening that failed when this replica took the lead
+
+        def slack_line() -> str:
+            return next((h.state for h in app.bus.health() if h.platform == "slack"), "")
+
+        await until(lambda: len(fakes.slack.calls_to("apps.connections.open")) > opened)
+        assert slack_line().startswith("off, Slack refused the bot token"), slack_line()
+        assert "; inbound connection opening since " in slack_line(), slack_line()
+        fakes.slack.release_hangs()
+
+
 async def _post_ended(outbox: object, request_id: str, platform: str) -> bool:
     """Whether ``request_id``'s card post on ``platform`` is no longer pending in the outbox (posted or given up)."""
     pending = await outbox.pending()  # type: ignore[attr-defined]

@@ -11,10 +11,12 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
 import structlog
+from aiohttp import web
 
 from kazma.adapters.card_layout import cut_marker, outcome_line
 from kazma.adapters.contract import (
@@ -28,9 +30,10 @@ from kazma.adapters.contract import (
     ingress_trouble,
 )
 from kazma.adapters.pacing import ChatRateLimiter
+from kazma.adapters.press_policy import NOT_YOURS
 from kazma.adapters.slack import SlackAdapter
 from kazma.adapters.slack import adapter as slack_adapter
-from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION
+from kazma.adapters.slack.render import APPROVE_ACTION, DENY_ACTION, DENY_REASON_ACTION, REMEMBER_ACTION, escape
 from kazma.approvals.card import ApprovalCard, build_card
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
@@ -869,6 +872,61 @@ async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_th
     assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
 
 
+@contextlib.asynccontextmanager
+async def forwarding_proxy() -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP proxy that forwards each request and keeps the URL it was asked for."""
+    asked: list[str] = []
+
+    async def forward(request: web.Request) -> web.Response:
+        asked.append(str(request.url))
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(request.method, request.url, data=await request.read(), headers=request.headers) as got,
+        ):
+            return web.Response(status=got.status, body=await got.read())
+
+    server = web.Application()
+    server.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(server)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", asked
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_press_reply_through_the_response_url_goes_through_the_configured_proxy(
+    fake: FakeSlack, start_adapter: StartAdapter, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slack's Web API calls go through HTTP(S)_PROXY (slack_sdk reads it) unless NO_PROXY names the host, but the
+    press's response URL was posted to directly: where the only way out is the proxy, the presser told there while
+    Slack refuses the bot token heard nothing. It goes the Web API's way now."""
+    async with forwarding_proxy() as (proxy, asked):
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        for name in ("NO_PROXY", "no_proxy"):  # the fake's API straight; its other name through the proxy
+            monkeypatch.setenv(name, "127.0.0.1")
+        adapter = await start_adapter()
+        card = make_card({"x": 1})
+        ref = await adapter.post_card(card)
+        fake.revoke(fake.bot_token, "token_revoked")
+        with pytest.raises(PlatformError):
+            await adapter.send_text(HOME, "the refusal, known")
+        payload = fake.block_action_payload(
+            action_id=APPROVE_ACTION,
+            value=card.button_data(Decision.APPROVE),
+            user=ADMIN,
+            channel=HOME,
+            message_ts=ref.message_id,
+        )
+        payload["response_url"] = str(payload["response_url"]).replace("127.0.0.1", "localhost")
+        form = urlencode({"payload": json.dumps(payload)})
+        assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+        await fake.wait_for(lambda: len(fake.responses) == 1)
+        assert asked == [payload["response_url"]]
+
+
 async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
 ) -> None:
@@ -892,6 +950,79 @@ async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_
     assert fake.responses[0]["response_type"] == "ephemeral"
     assert fake.responses[0]["text"] == slack_adapter.REASON_FORM_REFUSED
     assert (fake.calls_to("views.open"), fake.views, recorder.presses) == ([], [], [])
+
+
+async def test_a_press_reply_slack_does_not_take_counts_once(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    """The kit counts a failed call at its site (press_reply), and the press policy counted the same failure again
+    when the reply failed: a press whose response URL answered 404, or whose chat.postEphemeral Slack refused, read
+    as 2 on kazma_failures_total{site="press_reply",platform="slack"}. Once each now."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    recorder.press_result = PressResult(PressVerdict.LOST, "Decided already.", request_id=card.request_id)
+    fake.fail("chat.postEphemeral", "error", error="user_not_in_channel")
+    before = failure_count("press_reply", "slack")
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 1)
+    assert [c.error for c in fake.calls_to("chat.postEphemeral")] == ["user_not_in_channel"]
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    payload = fake.block_action_payload(
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    payload["response_url"] = f"{fake.url}/respond-gone"  # expired: Slack answers 404
+    form = urlencode({"payload": json.dumps(payload)})
+    assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+    await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 2)
+    assert len(recorder.presses) == 2
+    assert failure_count("press_reply", "slack") == before + 2
+
+
+async def test_an_unserved_deny_with_reason_while_slack_refuses_the_bot_token_is_told_through_the_response_url(
+    fake: FakeSlack, recorder: Recorder
+) -> None:
+    """ "Deny with reason" from someone whose press would not count is told so privately instead of a form, with
+    chat.postEphemeral, which a refused bot token cannot send: they saw nothing happen. The press's response URL
+    needs no token: they are told there."""
+
+    async def may_decide(actor: str, platform: str, request_id: str) -> bool:
+        return actor != f"slack:{PERSON}"
+
+    adapter = SlackAdapter(slack_config(fake), request_timeout=1)
+    await adapter.start(Handlers(on_inbound=recorder.on_inbound, on_press=recorder.on_press, may_decide=may_decide))
+    try:
+        card = make_card({"x": 1})
+        ref = await adapter.post_card(card)
+        fake.revoke(fake.bot_token, "token_revoked")
+        with pytest.raises(PlatformError):
+            await adapter.send_text(HOME, "the refusal, known")
+        await fake.post_block_action(
+            events_url(adapter),
+            action_id=DENY_REASON_ACTION,
+            value=f"kz1:{card.request_id}:n",
+            user=PERSON,
+            channel=HOME,
+            message_ts=ref.message_id,
+        )
+        await fake.wait_for(lambda: len(fake.responses) == 1)
+        assert fake.responses[0]["response_type"] == "ephemeral"
+        assert fake.responses[0]["text"].startswith(escape(NOT_YOURS))
+        assert (fake.calls_to("views.open"), fake.calls_to("chat.postEphemeral"), recorder.presses) == ([], [], [])
+    finally:
+        await adapter.stop()
 
 
 @pytest.mark.parametrize(

@@ -308,6 +308,9 @@ class SlackAdapter(PlatformBase):
         )
         # slack-sdk reads HTTP(S)_PROXY but ignores NO_PROXY; honour it.
         host = urlsplit(config.api_base_url).hostname or ""
+        # Kept for the calls made outside slack_sdk (a press's response URL, a file's download): each asks NO_PROXY
+        # of its own host (see _proxy_for).
+        self._env_proxy: str | None = self.client.proxy or None
         if self.client.proxy and host and proxy_bypass(host):
             self.client.proxy = self._card_client.proxy = None
         self._authorized: AuthorizeResult | None = None  # Bolt's, from the start's auth.test (_StartAuthorized)
@@ -727,13 +730,20 @@ class SlackAdapter(PlatformBase):
 
         async def post() -> None:
             body = {"text": text, "response_type": "ephemeral", "replace_original": False}
-            async with session.post(url, json=body, allow_redirects=False) as response:
+            async with session.post(url, json=body, allow_redirects=False, proxy=self._proxy_for(url)) as response:
                 if response.status != 200:  # counted once, by the kit's call
                     raise PlatformError(
                         PLATFORM, "press_reply", f"the response URL answered HTTP {response.status}", retryable=False
                     )
 
         await PlatformBase.call(self, "press_reply", None, post, paced=False)
+
+    def _proxy_for(self, url: str) -> str | None:
+        """The proxy a call to ``url`` goes through, as slack_sdk's calls go: HTTP(S)_PROXY unless NO_PROXY names
+        its host. The adapter's session does not read the environment: a response URL posted to directly where
+        the proxy is the only way out left the presser told nothing while Slack refused the bot token."""
+        host = urlsplit(url).hostname or ""
+        return None if self._env_proxy is None or (host and proxy_bypass(host)) else self._env_proxy
 
     def _fetcher(self, url: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
@@ -743,7 +753,9 @@ class SlackAdapter(PlatformBase):
 
             async def download() -> bytes:
                 headers = {"Authorization": f"Bearer {self.config.bot_token}"}
-                async with session.get(url, headers=headers, allow_redirects=False) as response:
+                async with session.get(
+                    url, headers=headers, allow_redirects=False, proxy=self._proxy_for(url)
+                ) as response:
                     if response.status != 200:
                         raise download_refused(
                             response.status, response.headers.get("Retry-After"), response.headers.get("Location")
@@ -822,8 +834,11 @@ class SlackAdapter(PlatformBase):
             if refusal is not None:
                 # Told now, privately, not after typing a reason into a modal whose Deny would not count.
                 log.info("slack.reason_refused", actor=self.actor(user), request_id=request_id)
+                # The response URL too: with the bot token refused it is the one way they hear it.
+                responds = body.get("response_url")
+                reply = _EphemeralReply(self, channel, user, responds if isinstance(responds, str) else None)
                 with contextlib.suppress(PlatformError):
-                    await _EphemeralReply(self, channel, user).notify(refusal)
+                    await reply.notify(refusal)
                 return
             meta = json.dumps({"data": deny_data(request_id), "channel": channel, "ts": message_ts})
             view = {
