@@ -251,6 +251,25 @@ def test_the_last_event_cut_from_inside_a_checkpoint_fails_as_truncated_there_no
     assert "unsigned" not in result.stdout, result.stdout
 
 
+def test_the_last_event_a_checkpoint_signs_removed_mid_log_is_named_missing_not_the_one_before_it_unsigned(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    # The denial (the last event its checkpoint signs) deleted, or moved far past the end: verify named the intact
+    # approval before it the first bad sequence, "unsigned: ... written outside Kazma".
+    denied, approved = log.seqs["decided:drop"], log.seqs["decided:deploy"]
+    attacker = Attacker(store_engine)
+    over = next(c for c in attacker.checkpoints() if c.seq == denied)
+    assert over.first_seq == approved < denied  # the approval is signed by the same checkpoint
+    for rewrite in (
+        ("UPDATE approval_events SET seq = ? WHERE seq = ?", (log.last + 100, denied)),
+        ("DELETE FROM approval_events WHERE seq = ?", (log.last + 100,)),
+    ):
+        attacker.run(rewrite)
+        result = verify(tmp_path, store_engine)
+        failed_at(result, denied, "missing")
+        assert f"seq {approved}: unsigned" not in result.stdout, result.stdout
+
+
 def test_a_row_holding_what_kazma_never_writes_is_named_not_a_crash(
     store_engine: Engine, tmp_path: Path, log: Log
 ) -> None:
