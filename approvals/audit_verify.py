@@ -351,9 +351,7 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
         if last is not None:
             # Its events before the cut were signed (by this checkpoint, whose head went with the cut): what is
             # wrong with them is the cut, not that nobody signed them.
-            if checkpoint.first_seq > walk.covered_to + 1:
-                _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
-            walk.covered_to = max(walk.covered_to, last.seq)
+            _covered(walk, checkpoint, last.seq)
         return
     computed = walk.links.get(checkpoint.seq)
     if computed is None:
@@ -365,6 +363,9 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
             walk.problem(
                 checkpoint.seq, MISSING, f"{where} signs seq {checkpoint.seq}, but the events here start at seq {first}"
             )
+        # Its events before the gap were signed (by this checkpoint, whose head went with the event): what is wrong
+        # with them is that gap. Named "unsigned", the intact event before it read as the first forged one.
+        _covered(walk, checkpoint)
         return
     if problem is None:
         walk.signed_heads[checkpoint.seq] = checkpoint.head
@@ -383,9 +384,15 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
             )
         # Said at the end, unless an event in its range is found wrong by then (that says better what changed).
         walk.mismatches.append((checkpoint, Problem(checkpoint.first_seq, CHANGED, detail)))
+    _covered(walk, checkpoint)
+
+
+def _covered(walk: _Walk, checkpoint: Checkpoint, to: int | None = None) -> None:
+    """``checkpoint``'s range (to ``to`` when the log ends before it) counted as signed; a span before it that no
+    checkpoint covers is named."""
     if checkpoint.first_seq > walk.covered_to + 1:
         _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
-    walk.covered_to = max(walk.covered_to, checkpoint.seq)
+    walk.covered_to = max(walk.covered_to, checkpoint.seq if to is None else to)
 
 
 def _uncovered(walk: _Walk, first: int, last: int) -> None:

@@ -102,6 +102,7 @@ RETRY: Final = Backoff(base=0.5, cap=30.0)
 WITNESSES_KEPT: Final = 1000  # decisions signed in their own commit whose witness nobody asked for yet, at most
 
 _SINCE_FROM = "FROM approval_events WHERE seq > ? ORDER BY seq"
+_LAST_CHECKPOINT_UPTO = "SELECT seq, head, at FROM audit_checkpoints WHERE seq <= ? ORDER BY seq DESC LIMIT 1"
 _SINCE = f"SELECT {EVENT_COLUMNS}, commit_seal {_SINCE_FROM}"
 _SINCE_BYTE_SAFE = f"SELECT {byte_safe(f'{EVENT_COLUMNS}, commit_seal')} {_SINCE_FROM}"
 _DECISION_SEQS = (
@@ -477,10 +478,18 @@ def _hash_or_none(event: ChainedEvent, prev: str) -> str | None:
         return None
 
 
-async def vouched_tail(store: ApprovalStore, signer: AuditSigner) -> set[int]:
+async def vouched_tail(store: ApprovalStore, signer: AuditSigner, *, upto: int | None = None) -> set[int]:
     """The events after the last checkpoint that Kazma's commit seals vouch for: appended by Kazma and about to be
-    signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows)."""
-    last = await store.tables.one(LAST_CHECKPOINT)
+    signed (read only; a verifier on Kazma's own machine, with its audit key, tells them from forged rows).
+
+    ``upto``: the last event a verifier read; the tail then starts at the last checkpoint at or before it. A
+    running Kazma may append and sign past it between the verifier's reads: a tail read from that checkpoint on
+    left the events the verifier read after the one before vouched for by nobody, and verify named Kazma's own
+    events "unsigned: written outside Kazma"."""
+    if upto is None:
+        last = await store.tables.one(LAST_CHECKPOINT)
+    else:
+        last = await store.tables.one(_LAST_CHECKPOINT_UPTO, (upto,))
     after, prev = (0, GENESIS) if last is None else (int(last[0]), str(last[1]))
     rows = await store.audit_rows(f"{EVENT_COLUMNS}, commit_seal", _SINCE_FROM, (after,))
     runs = _vouched_runs(signer, rows, prev, Judged())

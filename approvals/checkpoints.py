@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 _DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can never pass for a checkpoint's
 _COMMIT_DOMAIN = "kazma-audit-commit-v1"
 _SHA256_BLOCK = 64  # bytes: an HMAC key no longer than this is zero-padded to it
+_SEQ_DIGITS = 19  # the most decimal digits of a sequence number (a 64-bit key)
 
 HISTORY = "history"  # covers the events recorded before the chain began, chained once (the one-time migration)
 HEAD = "head"  # covers events Kazma appended (each vouched for by its transaction's commit seal)
@@ -171,12 +172,14 @@ class AuditSigner:
     def sealed_from(self, seal: str | None, seq: int, head: str) -> int | None:
         """The first sequence number of the commit whose seal ``seal`` (on event ``seq``, of chain hash ``head``)
         is, when it verifies with a key of this keyring; None otherwise."""
-        if not seal:
+        if type(seal) is not str or not seal:  # bytes, on SQLite: written around Kazma
             return None
         key_id, _, rest = seal.partition(":")
         first, _, mac = rest.partition(":")
         key = self.keyring.find(key_id)
-        if key is None or not first.isdigit():
+        # ASCII digits, as many as a sequence number has: str.isdigit() also passes "²", which int() refuses, and
+        # int() refuses more than 4300 digits. Raising here stopped every signing pass, verify and doctor for good.
+        if key is None or not (first.isascii() and first.isdigit()) or len(first) > _SEQ_DIGITS:
             return None
         expected = hmac.new(
             _commit_key(key.secret), _commit_message(key_id, int(first), seq, head), hashlib.sha256

@@ -221,3 +221,39 @@ def test_a_row_kazma_never_writes_in_the_unsigned_tail_stops_neither_the_checkpo
     doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
     [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
     assert f"first bad sequence seq {seq}: changed" in line, line
+
+
+@pytest.mark.parametrize(
+    "seal",
+    ["'a1:²:00'", "'a1:' || printf('%.5000d', 1) || ':00'", "X'61313a313a3030'", "CAST(X'61313aff' AS TEXT)"],
+    ids=["not-ascii-digit", "too-long", "bytes", "not-utf8"],
+)
+def test_a_commit_seal_kazma_never_writes_in_the_unsigned_tail_stops_neither_the_checkpointer_nor_verify(
+    config: Path, sqlite: Engine, log: Log, seal: str
+) -> None:
+    """A commit seal is read by every signing pass, and by verify and doctor: one whose first sequence number is a
+    digit Python's int() refuses ('²'), more digits than it reads, or bytes raised there (a text not UTF-8 is read
+    as bytes). Signing stopped for good,
+    verify ended in a traceback, doctor said "cannot read the audit log"."""
+    seq = log.last + 1
+
+    async def appended() -> None:
+        async with approval_service(sqlite.where) as service:
+            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
+            await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
+
+    async def signed() -> Judged:  # a process that did not append them reads them back
+        async with approval_service(sqlite.where) as service:
+            return await Checkpointer(service.store, TEST_SIGNER).sign()
+
+    run_async(appended())
+    Attacker(sqlite).run((f"UPDATE approval_events SET commit_seal = {seal} WHERE seq = ?", (seq,)))  # noqa: S608
+    judged: Judged = run_async(signed())
+    assert judged.unvouched == [seq]  # never signed; Kazma's own commit after it is
+    assert [(c.first_seq, c.seq) for c in judged.signed] == [(seq + 1, seq + 1)]
+    done = kazma("-c", str(config), "audit", "verify")
+    assert isinstance(done.exception, SystemExit), done.exception
+    assert f"FAILED: first bad sequence seq {seq}: unsigned" in done.output, done.output
+    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
+    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
+    assert f"first bad sequence seq {seq}: unsigned" in line, line

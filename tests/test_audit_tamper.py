@@ -9,15 +9,18 @@ and runs `kazma audit verify` again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
 
-from kazma.approvals import Decision
-from kazma.approvals.chain import event_hash
+from kazma.approvals import ApprovalStore, Decision
+from kazma.approvals.chain import ChainedEvent, event_hash
 from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.checkpoints import Checkpoint
 from kazma.bot.cli import main
 from tests.approvals_support import TEST_SIGNER, approval_service
 from tests.audit_support import (
@@ -251,6 +254,25 @@ def test_the_last_event_cut_from_inside_a_checkpoint_fails_as_truncated_there_no
     assert "unsigned" not in result.stdout, result.stdout
 
 
+def test_the_last_event_a_checkpoint_signs_removed_mid_log_is_named_missing_not_the_one_before_it_unsigned(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    # The denial (the last event its checkpoint signs) deleted, or moved far past the end: verify named the intact
+    # approval before it the first bad sequence, "unsigned: ... written outside Kazma".
+    denied, approved = log.seqs["decided:drop"], log.seqs["decided:deploy"]
+    attacker = Attacker(store_engine)
+    over = next(c for c in attacker.checkpoints() if c.seq == denied)
+    assert over.first_seq == approved < denied  # the approval is signed by the same checkpoint
+    for rewrite in (
+        ("UPDATE approval_events SET seq = ? WHERE seq = ?", (log.last + 100, denied)),
+        ("DELETE FROM approval_events WHERE seq = ?", (log.last + 100,)),
+    ):
+        attacker.run(rewrite)
+        result = verify(tmp_path, store_engine)
+        failed_at(result, denied, "missing")
+        assert f"seq {approved}: unsigned" not in result.stdout, result.stdout
+
+
 def test_a_row_holding_what_kazma_never_writes_is_named_not_a_crash(
     store_engine: Engine, tmp_path: Path, log: Log
 ) -> None:
@@ -276,3 +298,47 @@ def test_doctor_names_a_log_whose_last_signed_events_were_removed(
     line = doctor(tmp_path, store_engine)
     assert line.startswith("FAIL"), line
     assert f"FAILED: first bad sequence seq {log.last}: truncated: checkpoint #{log.last} (head)" in line, line
+
+
+def test_kazma_appending_and_signing_between_verifys_reads_is_no_forgery(
+    store_engine: Engine, tmp_path: Path, log: Log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify and doctor read the events, then the checkpoints, then the unsigned tail Kazma's commit seals vouch
+    for. A running Kazma that appended and signed past the events read in between left that tail starting after
+    its new checkpoint (dropped as made after the read): Kazma's own event read before it, not signed yet when read,
+    was named "unsigned: ... written outside Kazma", and both failed."""
+
+    async def kazma_appends(title: str) -> None:
+        async with approval_service(store_engine.where) as service:
+            await service.open("shell", {"command": title}, "agent:builder", "telegram:-100")
+
+    run_async(kazma_appends("uptime"))  # seq log.last + 1: sealed by its commit, not signed yet
+    read_events: Callable[..., Coroutine[Any, Any, list[ChainedEvent]]] = ApprovalStore.chain_events
+    read_checkpoints: Callable[..., Coroutine[Any, Any, list[Checkpoint]]] = ApprovalStore.chain_checkpoints
+    events_read: list[bool] = []
+
+    async def events(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[ChainedEvent]:
+        events_read.append(True)
+        return await read_events(store, *args, **kwargs)
+
+    async def checkpoints(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[Checkpoint]:
+        if events_read and len(events_read) < 1000:  # once per command: Kazma goes on between its reads
+            events_read.extend([True] * 1000)
+            async with approval_service(store_engine.where) as service:
+                await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
+                judged = await Checkpointer(service.store, TEST_SIGNER).sign()
+            # It signs the event the command read and the one appended after that read.
+            assert [(c.first_seq, c.seq) for c in judged.signed] == [(unsigned[-1], unsigned[-1] + 1)]
+        return await read_checkpoints(store, *args, **kwargs)
+
+    monkeypatch.setattr(ApprovalStore, "chain_events", events)
+    monkeypatch.setattr(ApprovalStore, "chain_checkpoints", checkpoints)
+    unsigned = [log.last + 1]
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    assert f"ok: {log.last + 1} events" in result.stdout, result.stdout
+    events_read.clear()
+    run_async(kazma_appends("whoami"))
+    unsigned.append(log.last + 3)  # unsigned again
+    line = doctor(tmp_path, store_engine)
+    assert line.startswith("OK"), line

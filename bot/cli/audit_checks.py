@@ -69,7 +69,7 @@ async def check_audit_chain(loaded: LoadedConfig) -> Check:
             # A checkpoint made after the events were read (Kazma runs) signs what this read did not see: not a cut.
             # One past the log's end as it is now is a cut (its last events removed): verify says "truncated".
             checkpoints = [c for c in checkpoints if c.seq <= read_to or c.seq > now_last]
-            pending = {s for s in await vouched_tail(store, signer) if s <= read_to}
+            pending = {s for s in await vouched_tail(store, signer, upto=read_to) if s <= read_to}
     except Exception as exc:
         said = str(exc).strip() or type(exc).__name__
         return Check(CHAIN_CHECK, Level.FAIL, f"cannot read the audit log: {said}")

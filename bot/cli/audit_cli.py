@@ -208,7 +208,9 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
         # A checkpoint made after the events were read (Kazma runs) signs what this read did not see: not a cut.
         checkpoints = [c for c in checkpoints if c.seq <= read_to or c.seq > newest]
         signer = read_audit_signer(config)
-        pending = set() if signer is None else {s for s in await vouched_tail(store, signer) if s <= read_to}
+        pending = (
+            set() if signer is None else {s for s in await vouched_tail(store, signer, upto=read_to) if s <= read_to}
+        )
     return verify(events, checkpoints, keys, heads=heads, pending=pending)
 
 
