@@ -849,41 +849,44 @@ class FanOutBus:
                 # (an agent's card is not held behind a batch of API cards read before it came). At least one
                 # post per pass, so a stream of kicks cannot hold every post back.
                 return
-            await self._post(adapter, job)
+            if await self._post(adapter, job):
+                return  # the token was refused: the rest of this pass waits with every other post (see _post)
 
-    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> None:
+    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> bool:
+        """Post ``job``'s card wherever its policy sends it on ``adapter``'s platform. True: the platform refused
+        the token it carried (Telegram's 401), and every post waiting on it was put back untried."""
         request = await self.store.get(job.request_id)
         if request is None:
             await self.outbox.done(job, "dropped", "unknown request")
-            return
+            return False
         if request.status is not Status.PENDING:
             routed = self._places(adapter, request.policy)
             known = {c.chat for c in await self.store.cards(request.id) if c.platform == adapter.name}
             if job.attempts and len(known) < len(routed):
                 if isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts:
                     await self._find_by_nonce(adapter, job, request, routed, known)
-                    return
+                    return False
                 # A post was under way when a process stopped: it may have landed without being recorded. Its
                 # buttons are refused while the request is pending; a press on it now finds it, and it is edited
                 # to the outcome then (approvals record_stale_card). Until someone presses, it shows buttons.
                 count_failure("card_maybe_unsettled", adapter.name)
                 log.warning("bus.card_maybe_unsettled", platform=adapter.name, request_id=request.id)
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
-            return
+            return False
         try:
             card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError as exc:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
-            return
+            return False
         places = self._places(adapter, request.policy)
         if not places:
             # The policy's to: changed since the post was queued (a restart with another configuration).
             await self.outbox.done(job, "skipped", f"policy {request.policy} sends no card to {adapter.name}")
-            return
+            return False
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
-            return
+            return False
         cards = [c for c in await self.store.cards(request.id) if c.platform == adapter.name]
         recorded = {c.chat for c in cards}
         named = {p.chat for p in places if p.chat is not None}
@@ -937,15 +940,26 @@ class FanOutBus:
         if retry is not None:
             retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
             delay = RETRY.delay(job.attempts, retry_after=retry_after)
-            if not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act:
+            refused = not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act
+            if refused:
                 # Not counted, so the attempts do not stretch its backoff: a refusal only the operator can end (a
                 # token Telegram refused) is tried again as seldom as the backoff's longest wait, not at its first.
                 delay = RETRY.delay(RETRY_LONGEST, retry_after=retry_after)
-            await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__, attempted=may_have_landed)
+            error = str(retry) or type(retry).__name__
+            await self.outbox.retry_later(job, delay, error, attempted=may_have_landed)
+            if refused:
+                # Every other post carries the same token: each was tried in turn and refused, one refused call
+                # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
+                # wait with this one, untried, so one post a backoff asks whether the token is good again.
+                held = await self.outbox.hold(adapter.name, delay, error)
+                log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
+                            error=error)  # fmt: skip
+                return True
         elif failed and not recorded:
             await self.outbox.done(job, "failed", "; ".join(failed))
         else:
             await self.outbox.done(job, "posted", "; ".join(failed) or None)
+        return False
 
     async def _say_dm_refused(
         self, adapter: PlatformAdapter, person: str, request: ApprovalRequest, exc: PlatformError

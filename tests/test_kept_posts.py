@@ -13,6 +13,7 @@ import pytest
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
 from kazma.adapters.outbox import Outbox
+from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals import Decision
 from kazma.bot.app import App
 from kazma.config.backoff import Backoff
@@ -284,3 +285,34 @@ async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_k
             await _until(all_done)
         order = [c.method for c in fakes.slack.calls[calls:] if c.method in ("chat.update", "chat.postMessage")]
         assert order == ["chat.update", "chat.postMessage", "chat.postMessage"]
+
+
+async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_untried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram refusing the token for good (revoked at BotFather) while several card posts wait: each pass of the
+    bus tried every due post, each answered 401, so a minute's retries sent one refused call per pending card
+    (and each took its turn in the group's pacing, counted and logged). The first 401 of a pass says the token is
+    refused; the other posts due then wait the same longest backoff, untried, saying why."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, FanOutBus)
+        telegram = app.bus.adapters["telegram"]
+        assert isinstance(telegram, TelegramAdapter)
+        pacing = telegram.pacing.limiter
+        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
+        monkeypatch.setattr(pacing, "per_window", None)
+        fakes.telegram.token = "revoked-at-botfather"
+        requests = [
+            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
+            for n in range(4)
+        ]
+        for request in requests:
+            await _kept(app, request.id, "telegram")
+        tried = len(fakes.telegram.calls_to("sendMessage"))
+        await _worker_rounds(app, "telegram", monkeypatch, 6)
+        # At most the one post a pass tries (a round woken with nothing due tries none); four each, before.
+        assert len(fakes.telegram.calls_to("sendMessage")) - tried <= 6
+        pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
+        assert len(pending) == 4
+        assert all(a <= 1 and e and "InvalidToken" in e for a, e in pending)  # 1: the one claimed as it was read

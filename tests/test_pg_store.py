@@ -239,6 +239,30 @@ async def test_outbox_an_attempt_that_landed_nothing_is_taken_back_and_kept_post
     ]
 
 
+async def test_outbox_hold_puts_back_every_waiting_post_of_a_platform_untried(backend: Backend) -> None:
+    """Telegram refused the token (401): every post waiting on it waits the same backoff, untried, saying why; a
+    claimed post, another platform's and one already waiting longer are left as they are."""
+    clock = ManualClock()
+    outbox = Outbox(backend.store, clock=clock)
+    for request_id in ("r1", "r2", "r3"):
+        await outbox.enqueue(request_id, ["telegram"])
+    await outbox.enqueue("r4", ["slack"])
+    first, _, third = await outbox.due("telegram")
+    assert await outbox.claim(first, lease=100)
+    assert await outbox.claim(third, lease=30)
+    await outbox.retry_later(third, 500, "a wait of its own")
+    assert await outbox.hold("telegram", 60, "telegram card_post: InvalidToken: Unauthorized") == 1
+    assert await outbox.due("telegram") == []
+    assert [(r, p, a, e) for r, p, a, e in await outbox.pending()] == [
+        ("r1", "telegram", 1, None),
+        ("r2", "telegram", 0, "telegram card_post: InvalidToken: Unauthorized"),
+        ("r3", "telegram", 1, "a wait of its own"),
+        ("r4", "slack", 0, None),
+    ]
+    clock.advance(60)
+    assert [j.request_id for j in await outbox.due("telegram")] == ["r2"]
+
+
 async def test_a_post_claimed_by_a_replica_that_died_is_due_again_after_its_lease(backend: Backend) -> None:
     clock = ManualClock()
     outbox = Outbox(backend.store, clock=clock)
