@@ -1214,7 +1214,8 @@ class FanOutBus:
         for posted in await self.store.unsettled_cards(adapter.name, due_by=now):
             if self._stopping:
                 return
-            await self._settle_one(worker, posted)
+            if await self._settle_one(worker, posted):
+                break  # the token was refused: the rest wait with that edit (see _settle_one)
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
 
     async def _settle_one(
@@ -1227,22 +1228,23 @@ class FanOutBus:
         force: bool = False,
         decided: _Decided | None = None,
         ride: float = 0.0,
-    ) -> None:
+    ) -> bool:
         """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
         (a progress edit may have landed over that edit). ``decided``: the request decided here that ``request``
         and ``witness`` come from, with its card built already. ``ride``: how long the row saying it is settled
-        may wait for other writes to commit with (:data:`SETTLED_RIDE`)."""
+        may wait for other writes to commit with (:data:`SETTLED_RIDE`). True: the platform refused the token the
+        edit carried (Telegram's 401), and every other decided card's edit there was held untried."""
         adapter = worker.adapter
         if setup_refused(adapter) is not None:
-            return  # left unsettled in the store: the scan at the operator's restart edits it (see _scan_settles)
+            return False  # left unsettled in the store: the scan at the operator's restart edits it (see _scan_settles)
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
             witness = decided = None
         if request is None:
-            return
+            return False
         outcome = request.outcome()
         if outcome is None:
-            return
+            return False
         if witness is None:
             witness = await self._witness(request.id)
         afterwards = None
@@ -1264,7 +1266,7 @@ class FanOutBus:
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
             worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
-            return
+            return False
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
             if failpoints.armed:
@@ -1290,7 +1292,7 @@ class FanOutBus:
                 await self.store.mark_card_settled(posted, request.status)
                 if decided is not None:
                     decided.unsettled -= 1
-                return
+                return False
             attempts = await self.store.settle_attempts(posted)
             delay = RETRY.delay(attempts + 1, retry_after=retry_after)
             # The retry time lives in the card's row: a scan before then does not even read it.
@@ -1305,7 +1307,13 @@ class FanOutBus:
                 retry_in=round(delay, 2),
                 error=str(exc) or type(exc).__name__,
             )
-            return
+            if isinstance(exc, PlatformError) and exc.operator_must_act and exc.nothing_done:
+                # Every other edit carries the same token: each was tried in turn and refused, one refused call
+                # per decided card at every backoff. They wait with this one, untried (see _post's hold).
+                held = await self.store.settles_held(adapter.name, delay)
+                log.warning("bus.card_settles_held", platform=adapter.name, cards=held, retry_in=round(delay, 2))
+                return True
+            return False
         edited = time.time()  # what the histogram counts: the card shows the outcome (its row may ride after)
         if failpoints.armed:
             await failpoints.reached(
@@ -1320,6 +1328,7 @@ class FanOutBus:
         if request.decided_at is not None and last:
             DECISION_TO_SETTLED.observe(max(0.0, edited - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
+        return False
 
 
 def _nothing_done(exc: PlatformError | TimeoutError) -> bool:

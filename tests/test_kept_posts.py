@@ -294,7 +294,7 @@ async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_unt
     bus tried every due post, each answered 401, so a minute's retries sent one refused call per pending card
     (and each took its turn in the group's pacing, counted and logged). The first 401 of a pass says the token is
     refused; the other posts due then wait the same longest backoff, untried, saying why."""
-    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
         assert isinstance(app.bus, FanOutBus)
         telegram = app.bus.adapters["telegram"]
@@ -310,9 +310,52 @@ async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_unt
         for request in requests:
             await _kept(app, request.id, "telegram")
         tried = len(fakes.telegram.calls_to("sendMessage"))
-        await _worker_rounds(app, "telegram", monkeypatch, 6)
-        # At most the one post a pass tries (a round woken with nothing due tries none); four each, before.
-        assert len(fakes.telegram.calls_to("sendMessage")) - tried <= 6
+        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await _worker_rounds(app, "telegram", monkeypatch, 3)
+        assert len(fakes.telegram.calls_to("sendMessage")) - tried == 1  # four, before: one per waiting card
         pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
         assert len(pending) == 4
-        assert all(a <= 1 and e and "InvalidToken" in e for a, e in pending)  # 1: the one claimed as it was read
+        assert all(a == 0 and e and "InvalidToken" in e for a, e in pending)
+
+
+async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram refusing the token for good while several decided cards wait for their edit: each scan tried every
+    due edit, each answered 401, one refused call per unsettled card at every backoff. The first 401 of a scan
+    holds the other decided cards' edits by the same wait, untried."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, FanOutBus)
+        telegram = app.bus.adapters["telegram"]
+        assert isinstance(telegram, TelegramAdapter)
+        pacing = telegram.pacing.limiter
+        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
+        monkeypatch.setattr(pacing, "per_window", None)
+        requests = [
+            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
+            for n in range(4)
+        ]
+
+        async def everywhere() -> bool:
+            return all([len(await app.service.store.cards(r.id)) == 3 for r in requests])
+
+        await _until(everywhere)
+        fakes.telegram.token = "revoked-at-botfather"
+        failed = failure_count("card_settle", "telegram")
+        for request in requests:
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+
+        async def each_failed() -> bool:
+            return failure_count("card_settle", "telegram") >= failed + len(requests)
+
+        await _until(each_failed)
+        tried = len(fakes.telegram.calls_to("editMessageText"))
+        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await _worker_rounds(app, "telegram", monkeypatch, 3)  # a scan every poll interval (0.05 s here)
+        assert len(fakes.telegram.calls_to("editMessageText")) - tried == 1  # four, before: one per decided card
+        unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
+        assert len(unsettled) == 4
+        assert not any(c.settled_at for c in unsettled)
