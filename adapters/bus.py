@@ -286,6 +286,9 @@ class FanOutBus:
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
+        # Why a started platform refused the token its last card post or edit carried (Telegram's 401: its cards
+        # wait, tried again with backoff), until one lands: /healthz says it, as "serving" alone hid it.
+        self._cards_refused: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -495,6 +498,10 @@ class FanOutBus:
             return PlatformHealth(name, False, f"off, {refused}")
         inbound = self._inbound_health(name, adapter, leader, leads=leads)
         if refused is None:
+            cards = self._cards_refused.get(name)
+            if cards is not None:
+                why = f"card posts and edits refused ({cards}): they wait, tried again with backoff"
+                return PlatformHealth(name, inbound.takes_presses, f"{inbound.state}; {why}")
             return inbound
         if inbound.takes_presses:
             # "off" here sent an operator to a platform whose presses still decided (and a monitor, or a load
@@ -929,6 +936,7 @@ class FanOutBus:
                 self._dm_refused.discard((adapter.name, place.person))
             await self._record_post(request.id, ref, bound_to=place.person, reposted=_reposts(adapter, job))
             recorded.add(ref.chat)
+            self._cards_refused.pop(adapter.name, None)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
                      message=ref.message_id, person=place.person)  # fmt: skip
         worker = self._workers.get(adapter.name)
@@ -951,6 +959,7 @@ class FanOutBus:
                 # Every other post carries the same token: each was tried in turn and refused, one refused call
                 # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
                 # wait with this one, untried, so one post a backoff asks whether the token is good again.
+                self._cards_refused[adapter.name] = error
                 held = await self.outbox.hold(adapter.name, delay, error)
                 log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
                             error=error)  # fmt: skip
@@ -1310,11 +1319,13 @@ class FanOutBus:
             if isinstance(exc, PlatformError) and exc.operator_must_act and exc.nothing_done:
                 # Every other edit carries the same token: each was tried in turn and refused, one refused call
                 # per decided card at every backoff. They wait with this one, untried (see _post's hold).
+                self._cards_refused[adapter.name] = str(exc)
                 held = await self.store.settles_held(adapter.name, delay)
                 log.warning("bus.card_settles_held", platform=adapter.name, cards=held, retry_in=round(delay, 2))
                 return True
             return False
         edited = time.time()  # what the histogram counts: the card shows the outcome (its row may ride after)
+        self._cards_refused.pop(adapter.name, None)
         if failpoints.armed:
             await failpoints.reached(
                 "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name

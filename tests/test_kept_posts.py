@@ -359,3 +359,38 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
         unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
         assert len(unsettled) == 4
         assert not any(c.settled_at for c in unsettled)
+
+
+async def test_healthz_says_telegram_refuses_the_cards_token_until_a_card_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram in webhook mode answering every card post 401 (the token revoked): the posts wait and are tried
+    again, yet /healthz said "serving", and nothing there told the operator no card reached Telegram. It says the
+    refusal until a card lands again."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    hook = "mode: webhook\n    webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret'}"
+
+    def webhook(text: str) -> str:
+        admins = f"    admins: [{TG_ADMIN}]"
+        return text.replace(admins, f"{admins}\n    {hook}", 1)
+
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", edit=webhook) as app:
+        assert isinstance(app.bus, FanOutBus)
+        fan_out = app.bus
+        assert [h.state for h in fan_out.health() if h.platform == "telegram"] == ["serving"]
+        good = fakes.telegram.token
+        fakes.telegram.token = "revoked-at-botfather"
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+        await _kept(app, request.id, "telegram")
+        (health,) = [h for h in fan_out.health() if h.platform == "telegram"]
+        assert health.state == (
+            "serving; card posts and edits refused (telegram card_post: InvalidToken: Unauthorized): they wait,"
+            " tried again with backoff"
+        )
+        fakes.telegram.token = good
+
+        async def landed() -> bool:
+            return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+        await _until(landed)
+        assert [h.state for h in fan_out.health() if h.platform == "telegram"] == ["serving"]
