@@ -804,9 +804,17 @@ class FanOutBus:
                 # Edits found by a scan go before posts too, as a decision's do: at a start, the edits of cards
                 # decided while the platform was off (a refused token) waited behind every post kept meanwhile,
                 # one a second in its pacing, their cards showing live buttons all that time.
+                scan_failed: Exception | None = None
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
-                    await self._scan_settles(worker)
+                    try:
+                        await self._scan_settles(worker)
+                    except Exception as exc:  # told below, once the posts went
+                        # A scan failing again and again (a row it cannot read, its retry time still due) held
+                        # every post behind it since the scan goes first: the posts go all the same.
+                        scan_failed = exc
                 await self._drain_posts(worker)
+                if scan_failed is not None:
+                    raise scan_failed
                 wake_at = await self._next_due(worker)
             except asyncio.CancelledError:
                 raise

@@ -394,3 +394,36 @@ async def test_healthz_says_telegram_refuses_the_cards_token_until_a_card_lands(
 
         await _until(landed)
         assert [h.state for h in fan_out.health() if h.platform == "telegram"] == ["serving"]
+
+
+async def test_a_scan_that_fails_every_time_does_not_hold_the_posts_behind_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The due scan goes before the posts. A scan failing every time it runs (a card row it cannot read: here the
+    store's read of unsettled cards raising) raised out of the worker's round before the posts, so while its
+    retry time stayed due no card was posted on the platform at all. The posts go all the same."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+
+        async def unreadable(platform: str | None = None, *, due_by: float | None = None) -> list[object]:
+            raise RuntimeError("a card row the scan cannot read")
+
+        assert isinstance(app.bus, FanOutBus)
+        fan_out = app.bus
+        worker = fan_out._workers["slack"]
+        failed = failure_count("bus_worker", "slack")
+        monkeypatch.setattr(app.service.store, "unsettled_cards", unreadable)
+
+        async def failing() -> bool:
+            # The scan has failed, and is due again by the time the card's post wakes the worker.
+            failing = failure_count("bus_worker", "slack") > failed
+            return failing and worker.asleep_until is not None and fan_out.clock() >= worker.scan_at
+
+        await _until(failing)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+        async def everywhere() -> bool:
+            return len(await app.service.store.cards(request.id)) == 3
+
+        await _until(everywhere)
+        assert "Approval needed" in fakes.card_text("slack")
+        assert failure_count("bus_worker", "slack") > failed + 1  # the scan's failure is still counted
