@@ -293,6 +293,9 @@ class FanOutBus:
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
+        # Why a started platform refused the token its last card post or edit carried (Telegram's 401: its cards
+        # wait, tried again with backoff), until one lands: /healthz says it, as "serving" alone hid it.
+        self._cards_refused: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -502,6 +505,10 @@ class FanOutBus:
             return PlatformHealth(name, False, f"off, {refused}")
         inbound = self._inbound_health(name, adapter, leader, leads=leads)
         if refused is None:
+            cards = self._cards_refused.get(name)
+            if cards is not None:
+                why = f"card posts and edits refused ({cards}): they wait, tried again with backoff"
+                return PlatformHealth(name, inbound.takes_presses, f"{inbound.state}; {why}")
             return inbound
         if inbound.takes_presses:
             # "off" here sent an operator to a platform whose presses still decided (and a monitor, or a load
@@ -804,9 +811,17 @@ class FanOutBus:
                 # Edits found by a scan go before posts too, as a decision's do: at a start, the edits of cards
                 # decided while the platform was off (a refused token) waited behind every post kept meanwhile,
                 # one a second in its pacing, their cards showing live buttons all that time.
+                scan_failed: Exception | None = None
                 if self.clock() >= worker.scan_at or (worker.retry_at is not None and self.clock() >= worker.retry_at):
-                    await self._scan_settles(worker)
+                    try:
+                        await self._scan_settles(worker)
+                    except Exception as exc:  # told below, once the posts went
+                        # A scan failing again and again (a row it cannot read, its retry time still due) held
+                        # every post behind it since the scan goes first: the posts go all the same.
+                        scan_failed = exc
                 await self._drain_posts(worker)
+                if scan_failed is not None:
+                    raise scan_failed
                 wake_at = await self._next_due(worker)
             except asyncio.CancelledError:
                 raise
@@ -856,41 +871,44 @@ class FanOutBus:
                 # (an agent's card is not held behind a batch of API cards read before it came). At least one
                 # post per pass, so a stream of kicks cannot hold every post back.
                 return
-            await self._post(adapter, job)
+            if await self._post(adapter, job):
+                return  # the token was refused: the rest of this pass waits with every other post (see _post)
 
-    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> None:
+    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> bool:
+        """Post ``job``'s card wherever its policy sends it on ``adapter``'s platform. True: the platform refused
+        the token it carried (Telegram's 401), and every post waiting on it was put back untried."""
         request = await self.store.get(job.request_id)
         if request is None:
             await self.outbox.done(job, "dropped", "unknown request")
-            return
+            return False
         if request.status is not Status.PENDING:
             routed = self._places(adapter, request.policy)
             known = {c.chat for c in await self.store.cards(request.id) if c.platform == adapter.name}
             if job.attempts and len(known) < len(routed):
                 if isinstance(adapter, IdempotentPosts) and adapter.idempotent_posts:
                     await self._find_by_nonce(adapter, job, request, routed, known)
-                    return
+                    return False
                 # A post was under way when a process stopped: it may have landed without being recorded. Its
                 # buttons are refused while the request is pending; a press on it now finds it, and it is edited
                 # to the outcome then (approvals record_stale_card). Until someone presses, it shows buttons.
                 count_failure("card_maybe_unsettled", adapter.name)
                 log.warning("bus.card_maybe_unsettled", platform=adapter.name, request_id=request.id)
             await self.outbox.done(job, "skipped", f"request already {request.status.value}")
-            return
+            return False
         try:
             card = self._card_for(request, await self._reviews(request))
         except CardIntegrityError as exc:
             await self._refuse_tampered(request, exc)
             await self.outbox.done(job, "refused", exc.reason)
-            return
+            return False
         places = self._places(adapter, request.policy)
         if not places:
             # The policy's to: changed since the post was queued (a restart with another configuration).
             await self.outbox.done(job, "skipped", f"policy {request.policy} sends no card to {adapter.name}")
-            return
+            return False
         if not await self.outbox.claim(job, self.claim_seconds):
             log.debug("bus.card_post_claimed_elsewhere", platform=adapter.name, request_id=job.request_id)
-            return
+            return False
         cards = [c for c in await self.store.cards(request.id) if c.platform == adapter.name]
         recorded = {c.chat for c in cards}
         named = {p.chat for p in places if p.chat is not None}
@@ -933,6 +951,7 @@ class FanOutBus:
                 self._dm_refused.discard((adapter.name, place.person))
             await self._record_post(request.id, ref, bound_to=place.person, reposted=_reposts(adapter, job))
             recorded.add(ref.chat)
+            self._cards_refused.pop(adapter.name, None)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
                      message=ref.message_id, person=place.person)  # fmt: skip
         worker = self._workers.get(adapter.name)
@@ -944,15 +963,27 @@ class FanOutBus:
         if retry is not None:
             retry_after = retry.retry_after if isinstance(retry, PlatformError) else None
             delay = RETRY.delay(job.attempts, retry_after=retry_after)
-            if not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act:
+            refused = not may_have_landed and isinstance(retry, PlatformError) and retry.operator_must_act
+            if refused:
                 # Not counted, so the attempts do not stretch its backoff: a refusal only the operator can end (a
                 # token Telegram refused) is tried again as seldom as the backoff's longest wait, not at its first.
                 delay = RETRY.delay(RETRY_LONGEST, retry_after=retry_after)
-            await self.outbox.retry_later(job, delay, str(retry) or type(retry).__name__, attempted=may_have_landed)
+            error = str(retry) or type(retry).__name__
+            await self.outbox.retry_later(job, delay, error, attempted=may_have_landed)
+            if refused:
+                # Every other post carries the same token: each was tried in turn and refused, one refused call
+                # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
+                # wait with this one, untried, so one post a backoff asks whether the token is good again.
+                self._cards_refused[adapter.name] = error
+                held = await self.outbox.hold(adapter.name, delay, error)
+                log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
+                            error=error)  # fmt: skip
+                return True
         elif failed and not recorded:
             await self.outbox.done(job, "failed", "; ".join(failed))
         else:
             await self.outbox.done(job, "posted", "; ".join(failed) or None)
+        return False
 
     async def _say_dm_refused(
         self, adapter: PlatformAdapter, person: str, request: ApprovalRequest, exc: PlatformError
@@ -1207,7 +1238,8 @@ class FanOutBus:
         for posted in await self.store.unsettled_cards(adapter.name, due_by=now):
             if self._stopping:
                 return
-            await self._settle_one(worker, posted)
+            if await self._settle_one(worker, posted):
+                break  # the token was refused: the rest wait with that edit (see _settle_one)
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
 
     async def _settle_one(
@@ -1220,22 +1252,23 @@ class FanOutBus:
         force: bool = False,
         decided: _Decided | None = None,
         ride: float = 0.0,
-    ) -> None:
+    ) -> bool:
         """Edit ``posted`` to its request's outcome. ``force``: even when its row says it is settled already
         (a progress edit may have landed over that edit). ``decided``: the request decided here that ``request``
         and ``witness`` come from, with its card built already. ``ride``: how long the row saying it is settled
-        may wait for other writes to commit with (:data:`SETTLED_RIDE`)."""
+        may wait for other writes to commit with (:data:`SETTLED_RIDE`). True: the platform refused the token the
+        edit carried (Telegram's 401), and every other decided card's edit there was held untried."""
         adapter = worker.adapter
         if setup_refused(adapter) is not None:
-            return  # left unsettled in the store: the scan at the operator's restart edits it (see _scan_settles)
+            return False  # left unsettled in the store: the scan at the operator's restart edits it (see _scan_settles)
         if request is None or request.id != posted.request_id:
             request = await self.store.get(posted.request_id)
             witness = decided = None
         if request is None:
-            return
+            return False
         outcome = request.outcome()
         if outcome is None:
-            return
+            return False
         if witness is None:
             witness = await self._witness(request.id)
         afterwards = None
@@ -1257,7 +1290,7 @@ class FanOutBus:
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
             worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
-            return
+            return False
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
             if failpoints.armed:
@@ -1283,7 +1316,7 @@ class FanOutBus:
                 await self.store.mark_card_settled(posted, request.status)
                 if decided is not None:
                     decided.unsettled -= 1
-                return
+                return False
             attempts = await self.store.settle_attempts(posted)
             delay = RETRY.delay(attempts + 1, retry_after=retry_after)
             # The retry time lives in the card's row: a scan before then does not even read it.
@@ -1298,8 +1331,16 @@ class FanOutBus:
                 retry_in=round(delay, 2),
                 error=str(exc) or type(exc).__name__,
             )
-            return
+            if isinstance(exc, PlatformError) and exc.operator_must_act and exc.nothing_done:
+                # Every other edit carries the same token: each was tried in turn and refused, one refused call
+                # per decided card at every backoff. They wait with this one, untried (see _post's hold).
+                self._cards_refused[adapter.name] = str(exc)
+                held = await self.store.settles_held(adapter.name, delay)
+                log.warning("bus.card_settles_held", platform=adapter.name, cards=held, retry_in=round(delay, 2))
+                return True
+            return False
         edited = time.time()  # what the histogram counts: the card shows the outcome (its row may ride after)
+        self._cards_refused.pop(adapter.name, None)
         if failpoints.armed:
             await failpoints.reached(
                 "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name
@@ -1313,6 +1354,7 @@ class FanOutBus:
         if request.decided_at is not None and last:
             DECISION_TO_SETTLED.observe(max(0.0, edited - request.decided_at.timestamp()))
         log.info("bus.card_settled", platform=adapter.name, request_id=request.id, status=request.status.value)
+        return False
 
 
 def _nothing_done(exc: PlatformError | TimeoutError) -> bool:

@@ -209,6 +209,22 @@ class Outbox:
         writer = await self.tables.writer()
         return int(await writer.submit(op))
 
+    async def hold(self, platform: str, delay: float, why: str) -> int:
+        """Every post waiting on ``platform`` (none claimed) goes in ``delay`` seconds, saying ``why``, without an
+        attempt: the platform refused the token every one of them carries (Telegram's 401), so trying the others
+        meanwhile only asks the same question again. How many wait so."""
+        now = self.clock()
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE card_outbox SET next_at = ?, last_error = ? WHERE platform = ? AND done_at IS NULL"
+                " AND claimed_by IS NULL AND next_at < ?",  # later, never sooner than a wait of its own
+                (now + delay, why, platform, now + delay),
+            )
+
+        writer = await self.tables.writer()
+        return int(await writer.submit(op))
+
     async def due_now(self, platforms: Sequence[str]) -> int:
         """Every post waiting on ``platforms`` (none claimed) is due now; how many. For platforms that have just
         started: what waited out a refused token or an outage goes at once, not when its last backoff ends."""

@@ -1808,6 +1808,22 @@ class ApprovalStore:
 
         return await self._write(op) == 1
 
+    async def settles_held(self, platform: str, retry_in: float) -> int:
+        """Every decided card's edit on ``platform`` waiting (none claimed) is tried again in ``retry_in`` seconds,
+        never sooner than a wait of its own, without an attempt: the platform refused the token every edit carries
+        (Telegram's 401). How many wait so. A pending request's card is left alone: its decision edits it at once."""
+        retry_at = self.clock() + retry_in
+
+        def op(tx: Tx) -> int:
+            return tx.run(
+                "UPDATE approval_cards SET retry_at = ? WHERE platform = ? AND settled_at IS NULL"
+                " AND settle_claimed_by IS NULL AND (retry_at IS NULL OR retry_at < ?)"
+                " AND request_id IN (SELECT id FROM approval_requests WHERE status != 'pending')",
+                (retry_at, platform, retry_at),
+            )
+
+        return await self._write(op)
+
     async def settles_due_now(self, platforms: Sequence[str]) -> int:
         """Every card edit on ``platforms`` waiting to be tried again (none claimed) is due now; how many. For
         platforms that have just started (see :meth:`kazma.adapters.outbox.Outbox.due_now`)."""

@@ -13,6 +13,7 @@ import pytest
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
 from kazma.adapters.outbox import Outbox
+from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals import Decision
 from kazma.bot.app import App
 from kazma.config.backoff import Backoff
@@ -284,3 +285,145 @@ async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_k
             await _until(all_done)
         order = [c.method for c in fakes.slack.calls[calls:] if c.method in ("chat.update", "chat.postMessage")]
         assert order == ["chat.update", "chat.postMessage", "chat.postMessage"]
+
+
+async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_untried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram refusing the token for good (revoked at BotFather) while several card posts wait: each pass of the
+    bus tried every due post, each answered 401, so a minute's retries sent one refused call per pending card
+    (and each took its turn in the group's pacing, counted and logged). The first 401 of a pass says the token is
+    refused; the other posts due then wait the same longest backoff, untried, saying why."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, FanOutBus)
+        telegram = app.bus.adapters["telegram"]
+        assert isinstance(telegram, TelegramAdapter)
+        pacing = telegram.pacing.limiter
+        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
+        monkeypatch.setattr(pacing, "per_window", None)
+        fakes.telegram.token = "revoked-at-botfather"
+        requests = [
+            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
+            for n in range(4)
+        ]
+        for request in requests:
+            await _kept(app, request.id, "telegram")
+        tried = len(fakes.telegram.calls_to("sendMessage"))
+        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await _worker_rounds(app, "telegram", monkeypatch, 3)
+        assert len(fakes.telegram.calls_to("sendMessage")) - tried == 1  # four, before: one per waiting card
+        pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
+        assert len(pending) == 4
+        assert all(a == 0 and e and "InvalidToken" in e for a, e in pending)
+
+
+async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram refusing the token for good while several decided cards wait for their edit: each scan tried every
+    due edit, each answered 401, one refused call per unsettled card at every backoff. The first 401 of a scan
+    holds the other decided cards' edits by the same wait, untried."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        assert isinstance(app.bus, FanOutBus)
+        telegram = app.bus.adapters["telegram"]
+        assert isinstance(telegram, TelegramAdapter)
+        pacing = telegram.pacing.limiter
+        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
+        monkeypatch.setattr(pacing, "per_window", None)
+        requests = [
+            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
+            for n in range(4)
+        ]
+
+        async def everywhere() -> bool:
+            return all([len(await app.service.store.cards(r.id)) == 3 for r in requests])
+
+        await _until(everywhere)
+        fakes.telegram.token = "revoked-at-botfather"
+        failed = failure_count("card_settle", "telegram")
+        for request in requests:
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+
+        async def each_failed() -> bool:
+            return failure_count("card_settle", "telegram") >= failed + len(requests)
+
+        await _until(each_failed)
+        tried = len(fakes.telegram.calls_to("editMessageText"))
+        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await _worker_rounds(app, "telegram", monkeypatch, 3)  # a scan every poll interval (0.05 s here)
+        assert len(fakes.telegram.calls_to("editMessageText")) - tried == 1  # four, before: one per decided card
+        unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
+        assert len(unsettled) == 4
+        assert not any(c.settled_at for c in unsettled)
+
+
+async def test_healthz_says_telegram_refuses_the_cards_token_until_a_card_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram in webhook mode answering every card post 401 (the token revoked): the posts wait and are tried
+    again, yet /healthz said "serving", and nothing there told the operator no card reached Telegram. It says the
+    refusal until a card lands again."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    hook = "mode: webhook\n    webhook: {url: 'https://bot.example.org/telegram', secret_token: 's3cret'}"
+
+    def webhook(text: str) -> str:
+        admins = f"    admins: [{TG_ADMIN}]"
+        return text.replace(admins, f"{admins}\n    {hook}", 1)
+
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", edit=webhook) as app:
+        assert isinstance(app.bus, FanOutBus)
+        fan_out = app.bus
+        assert [h.state for h in fan_out.health() if h.platform == "telegram"] == ["serving"]
+        good = fakes.telegram.token
+        fakes.telegram.token = "revoked-at-botfather"
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+        await _kept(app, request.id, "telegram")
+        (health,) = [h for h in fan_out.health() if h.platform == "telegram"]
+        assert health.state == (
+            "serving; card posts and edits refused (telegram card_post: InvalidToken: Unauthorized): they wait,"
+            " tried again with backoff"
+        )
+        fakes.telegram.token = good
+
+        async def landed() -> bool:
+            return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+        await _until(landed)
+        assert [h.state for h in fan_out.health() if h.platform == "telegram"] == ["serving"]
+
+
+async def test_a_scan_that_fails_every_time_does_not_hold_the_posts_behind_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The due scan goes before the posts. A scan failing every time it runs (a card row it cannot read: here the
+    store's read of unsettled cards raising) raised out of the worker's round before the posts, so while its
+    retry time stayed due no card was posted on the platform at all. The posts go all the same."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+
+        async def unreadable(platform: str | None = None, *, due_by: float | None = None) -> list[object]:
+            raise RuntimeError("a card row the scan cannot read")
+
+        assert isinstance(app.bus, FanOutBus)
+        fan_out = app.bus
+        worker = fan_out._workers["slack"]
+        failed = failure_count("bus_worker", "slack")
+        monkeypatch.setattr(app.service.store, "unsettled_cards", unreadable)
+
+        async def failing() -> bool:
+            # The scan has failed, and is due again by the time the card's post wakes the worker.
+            failing = failure_count("bus_worker", "slack") > failed
+            return failing and worker.asleep_until is not None and fan_out.clock() >= worker.scan_at
+
+        await _until(failing)
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+        async def everywhere() -> bool:
+            return len(await app.service.store.cards(request.id)) == 3
+
+        await _until(everywhere)
+        assert "Approval needed" in fakes.card_text("slack")
+        assert failure_count("bus_worker", "slack") > failed + 1  # the scan's failure is still counted
