@@ -12,7 +12,8 @@ shows and with what is wrong:
   event after it was chained to the one before it);
 * ``unsigned``: an event no signed checkpoint covers;
 * ``truncated``: a checkpoint, or a head seen elsewhere, names a sequence number
-  past the end of the log;
+  past the end of the log; or (verifying the store) a request's row records an outcome, or its opening, whose
+  event is not in the log: the events that recorded it were cut, with the checkpoints that signed them;
 * ``bad signature``: a checkpoint whose signature does not verify with the public
   keys given (or that is not signed at all).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
@@ -78,6 +79,26 @@ class Head:
                 " (a settled card shows it as #1234 3fa9c2d18e0b)"
             )
         return cls(int(match.group(1)), match.group(2).lower(), source)
+
+
+@dataclass(frozen=True)
+class UnrecordedRequest:
+    """A request whose row the audit log does not record: the event written with the row's current state (its
+    ``opened`` while pending, its ending event once finished) is not in the log."""
+
+    id: str
+    status: str
+    sealed: bool  # the row carries a decision seal
+
+    def event(self) -> str:
+        if self.status == "pending":
+            return "opened"
+        return "decided" if self.status in ("approved", "denied") else self.status
+
+    def detail(self, last: int) -> str:
+        state = "pending" if self.status == "pending" else f"{self.status} ({'sealed' if self.sealed else 'no seal'})"
+        cut = "the audit log is empty" if last == 0 else f"events after seq {last} may have been cut"
+        return f"request {self.id} is {state} but the audit log has no {self.event()} event for it: {cut}"
 
 
 @dataclass(frozen=True)
@@ -184,6 +205,8 @@ def verify(
     anchored: bool = True,
     pending: Collection[int] = (),
     since: int | None = None,
+    unrecorded: Sequence[UnrecordedRequest] = (),
+    unrecorded_more: bool = False,
 ) -> Report:
     """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
     events, and ``heads`` seen elsewhere against the log.
@@ -194,7 +217,10 @@ def verify(
     is): not yet signed, not a problem. ``since``: where such a slice must start, at the latest: 1 when the whole
     log is expected (a slice then fails, ``missing``), the verifier's own ``--since`` for a slice. Never an
     export header's alone: the header is not signed, so whoever cut the front could write it too. None: any
-    start (doctor's tail, read as a slice on purpose).
+    start (doctor's tail, read as a slice on purpose). ``unrecorded``: the store's requests whose row the log
+    does not record (:meth:`~kazma.approvals.store.ApprovalStore.unrecorded_requests`; ``unrecorded_more``: more
+    than those were found): each is ``truncated`` past the log's end, since a log cut at a checkpoint with the
+    checkpoints after it removed is consistent in itself, and only the rows it recorded still show the cut.
     """
     ordered = sorted(checkpoints, key=lambda c: c.seq)
     walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending, since)
@@ -207,7 +233,16 @@ def verify(
     for checkpoint in ordered[index:]:
         _checkpoint(walk, checkpoint)
     _ends(walk)
+    _unrecorded(walk, unrecorded, more=unrecorded_more)
     return walk.report
+
+
+def _unrecorded(walk: _Walk, requests: Sequence[UnrecordedRequest], *, more: bool) -> None:
+    last = walk.last.seq if walk.last is not None else 0
+    for request in requests:
+        walk.problem(last + 1, TRUNCATED, request.detail(last))
+    if more:
+        walk.problem(last + 1, TRUNCATED, f"more requests like these: only the oldest {len(requests)} are named")
 
 
 def _in_history(walk: _Walk, event: ChainedEvent) -> bool:

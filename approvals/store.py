@@ -27,6 +27,7 @@ import aiosqlite
 import structlog
 
 from kazma.approvals import pg_press
+from kazma.approvals.audit_verify import UnrecordedRequest
 from kazma.approvals.chain import (
     CHECKPOINT_COLUMNS,
     DECISION_EVENTS,
@@ -106,6 +107,17 @@ _RETURNING = f" RETURNING {_COLUMNS}"
 _DECISION_SEQ = (
     "SELECT seq FROM approval_events WHERE request_id = ?"  # noqa: S608
     f" AND event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}) ORDER BY seq LIMIT 1"
+)
+# Request rows whose own event is not in the log. Each request's row is written in one transaction with its
+# event: "opened" with the row, its ending event (DECISION_EVENTS) with the compare-and-set that finishes it, on
+# every path since the first release (a press, the CLI, the API, a timeout, a cancel, a start's orphans). A log cut
+# at a checkpoint, with the checkpoints after it removed, verifies in itself; the rows it recorded do not go with
+# it. One statement: its snapshot holds a row and its event both or neither, whatever Kazma commits meanwhile.
+_UNRECORDED = (
+    "FROM approval_requests r WHERE NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"  # noqa: S608
+    " AND ((r.status = 'pending' AND e.event = 'opened')"
+    f" OR (r.status <> 'pending' AND e.event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}))))"
+    " ORDER BY r.created_at, r.id LIMIT ?"
 )
 # Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
 _SEALED_KEPT = 4096
@@ -1395,6 +1407,14 @@ class ApprovalStore:
     async def last_checkpoint(self) -> Checkpoint | None:
         rows = await self.audit_rows(CHECKPOINT_COLUMNS, "FROM audit_checkpoints ORDER BY seq DESC LIMIT 1")
         return checkpoint_of_row(rows[0]) if rows else None
+
+    async def unrecorded_requests(self, *, limit: int = 100) -> tuple[list[UnrecordedRequest], bool]:
+        """Requests whose row the audit log does not record: a pending one without its ``opened`` event, a
+        finished one without its ending event (``decided``, ``timeout``, ``cancelled``); the oldest ``limit``, and
+        whether there are more. What a log cut at a checkpoint leaves behind (see :data:`_UNRECORDED`)."""
+        rows = await self.audit_rows("r.id, r.status, r.decision_mac", _UNRECORDED, (limit + 1,))
+        found = [UnrecordedRequest(str(r[0]), str(r[1]), r[2] is not None) for r in rows[:limit]]
+        return found, len(rows) > limit
 
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")

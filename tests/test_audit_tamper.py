@@ -17,12 +17,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from kazma.approvals import ApprovalStore, Decision
+from kazma.approvals import ApprovalStore, Decision, PressVerdict, Status
 from kazma.approvals.chain import ChainedEvent, event_hash
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import Checkpoint
+from kazma.approvals.withdrawal import Gone
 from kazma.bot.cli import main
-from tests.approvals_support import TEST_SIGNER, approval_service
+from kazma.bot.cli.cli_identity import system_login
+from tests.approvals_support import TEST_SIGNER, ManualClock, RecordingPublisher, approval_service
 from tests.audit_support import (
     ARGS,
     FORGER,
@@ -35,6 +37,7 @@ from tests.audit_support import (
     resigned,
     run_async,
 )
+from tests.policy_support import ALICE_ON_SLACK, policy_config
 from tests.store_backends import Engine
 
 
@@ -176,12 +179,59 @@ def test_the_last_events_cut_off_fail_as_truncated_and_a_cut_at_a_checkpoint_fai
     keep = attacker.checkpoints()[-2].seq  # the last events and the checkpoint over them go
     attacker.run(("DELETE FROM approval_events WHERE seq > ?", (keep,)))
     failed_at(verify(tmp_path, store_engine), keep + 1, "truncated")
-    # The checkpoints past the cut removed too: the log is consistent in itself, signed to its new end. Nothing
-    # inside the store can tell (said plainly in the README); a head seen earlier, outside it, can.
+    # The checkpoints past the cut removed too: the log is consistent in itself, signed to its new end. The
+    # request rows it recorded show the cut (test below); a head seen earlier, outside it, shows it too.
     attacker.run(("DELETE FROM audit_checkpoints WHERE seq > ?", (keep,)))
-    assert verify(tmp_path, store_engine).exit_code == 0
+    late = log.requests["late"]
+    result = verify(tmp_path, store_engine)
+    failed_at(result, keep + 1, "truncated")
+    assert f"request {late} is timeout (sealed) but the audit log has no timeout event for it" in result.stdout
     seen = f"{head.seq}:{(head.chain_hash or '')[:12]}"
     failed_at(verify(tmp_path, store_engine, "--head", seen), keep + 1, "truncated")
+
+
+def test_a_cut_at_a_checkpoint_fails_on_the_finished_requests_whose_ending_events_went_with_it(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """The log cut right after its first checkpoint (the two requests opened), every later checkpoint removed: the
+    chain and its signatures hold to the new end, but the rows of the requests decided after the cut are finished
+    and sealed with no ending event in the log. Verify and doctor name each of them, not "3 decisions verified"."""
+    attacker = Attacker(store_engine)
+    keep = attacker.checkpoints()[0].seq
+    assert keep == log.seqs["opened:drop"]
+    attacker.run(
+        ("DELETE FROM approval_events WHERE seq > ?", (keep,)), ("DELETE FROM audit_checkpoints WHERE seq > ?", (keep,))
+    )
+    result = verify(tmp_path, store_engine)
+    failed_at(result, keep + 1, "truncated")
+    deploy, drop, late = log.requests["deploy"], log.requests["drop"], log.requests["late"]
+    cut = f"events after seq {keep} may have been cut"
+    for line in (
+        f"request {deploy} is approved (sealed) but the audit log has no decided event for it: {cut}",
+        f"request {drop} is denied (sealed) but the audit log has no decided event for it: {cut}",
+        f"request {late} is timeout (sealed) but the audit log has no timeout event for it: {cut}",
+    ):
+        assert line in result.stdout, result.stdout
+    said = doctor(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"first bad sequence seq {keep + 1}: truncated" in said
+    for rid, status, event in (
+        (deploy, "approved", "decided"),
+        (drop, "denied", "decided"),
+        (late, "timeout", "timeout"),
+    ):
+        assert f"{rid} ({status}, no {event} event)" in said, said
+    # The whole log cut, every checkpoint with it: an empty log beside request rows is no "empty, ok".
+    attacker.run(("DELETE FROM approval_events", ()), ("DELETE FROM audit_checkpoints", ()))
+    result = verify(tmp_path, store_engine)
+    failed_at(result, 1, "truncated")
+    assert (
+        f"request {deploy} is approved (sealed) but the audit log has no decided event for it: the audit log is empty"
+        in result.stdout
+    )
+    said = doctor(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"{deploy} (approved, no decided event)" in said, said
 
 
 def test_a_consistent_rechained_forgery_without_the_key_fails_on_the_signature_and_against_a_head(
@@ -342,3 +392,83 @@ def test_kazma_appending_and_signing_between_verifys_reads_is_no_forgery(
     unsigned.append(log.last + 3)  # unsigned again
     line = doctor(tmp_path, store_engine)
     assert line.startswith("OK"), line
+
+
+def test_every_way_kazma_ends_a_request_leaves_its_ending_event_so_no_cut_is_claimed(
+    store_engine: Engine, tmp_path: Path
+) -> None:
+    """No false alarm: requests ended by every path Kazma has (a press without and with a card, the CLI, two people
+    under a policy, a lost and a repeated press, a timeout by waiting, by the sweep and by a press past the deadline,
+    a cancel, a withdrawal, a start's orphans) and one still pending: each row's event is on the log."""
+    where = store_engine.where
+
+    async def end_every_way() -> dict[str, str]:
+        made: dict[str, str] = {}
+        clock = ManualClock()
+        async with approval_service(where, clock=clock, publisher=RecordingPublisher()) as service:
+            checkpointer = Checkpointer(service.store, TEST_SIGNER)
+
+            async def opened(name: str, deadline: float | None = None, *, durable: bool = False) -> str:
+                request = await service.open("shell", ARGS, "agent:b", "telegram:-100", deadline, durable=durable)
+                made[name] = request.id
+                return made[name]
+
+            press = await opened("press")
+            assert (await service.decide(press, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            lost = await service.decide(press, Decision.DENY, actor="slack:U111", platform="slack")
+            assert lost.verdict is PressVerdict.LOST
+            card = await opened("card")
+            data = f"kz1:{card}:d"
+            assert (await service.decide_from_button(data, actor="telegram:111", platform="telegram")).won
+            await opened("cli", durable=True)  # a waiter a restart keeps: decided from the CLI after it
+            await checkpointer.sign()
+            overdue = await opened("overdue", deadline=5)
+            swept = await opened("swept", deadline=5)
+            clock.advance(10)
+            late = await service.decide(overdue, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert late.verdict is PressVerdict.LOST
+            assert swept in [o.request_id for o in await service.expire_overdue()]
+            waited = await opened("waited", deadline=0.01)
+            clock.advance(1)
+            assert (await service.wait(waited)).status is Status.TIMEOUT
+            cancelled = await opened("cancelled")
+            assert (await service.cancel(cancelled, reason="the requester withdrew it")) is not None
+            withdrawn = await opened("withdrawn")
+            assert (await service.withdraw(withdrawn, Gone.DISCONNECTED))[0]
+            await opened("pending", deadline=10_000, durable=True)
+            await opened("orphan")
+            await checkpointer.sign()
+        async with approval_service(where, config=policy_config(), publisher=RecordingPublisher()) as service:
+            two = (await service.open("shell", {"command": "rm -rf build"}, "agent:b", "telegram:-100")).id
+            made["two"] = two
+            first = await service.decide(two, Decision.APPROVE, actor="telegram:111", platform="telegram")
+            assert first.verdict is PressVerdict.COUNTED
+            again = await service.decide(two, Decision.APPROVE, actor=ALICE_ON_SLACK[0], platform="slack")
+            assert again.verdict is PressVerdict.REPEATED
+            second = await service.decide(two, Decision.APPROVE, actor="telegram:333", platform="telegram")
+            assert second.verdict is PressVerdict.WON
+        async with approval_service(where, publisher=RecordingPublisher()) as restarted:
+            recovery = await restarted.recover()
+            assert made["orphan"] in [r.id for r in recovery.cancelled]
+            await Checkpointer(restarted.store, TEST_SIGNER).sign()
+        return made
+
+    made = run_async(end_every_way())
+    config = tmp_path / "kazma.yaml"
+    me = f"cli:{system_login()}"  # the command line decides as the system user running it
+    config.write_text(config_text(tmp_path, store_engine).replace('"cli:ops"]', f'"cli:ops", "{me}"]'))
+    cli = CliRunner().invoke(main, ["-c", str(config), "approvals", "approve", made["cli"]], env=KEY_ENV)
+    assert cli.exit_code == 0, cli.output
+
+    async def statuses() -> dict[str, str]:
+        async with approval_service(where) as service:
+            await Checkpointer(service.store, TEST_SIGNER).sign()
+            assert await service.store.unrecorded_requests() == ([], False)
+            return {name: str((await service.store.get(rid)).status) for name, rid in made.items()}  # type: ignore[union-attr]
+
+    ended = run_async(statuses())
+    assert set(ended.values()) == {"approved", "denied", "timeout", "cancelled", "pending"}, ended
+    assert (ended["orphan"], ended["cli"], ended["two"]) == ("cancelled", "approved", "approved"), ended
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    assert doctor(tmp_path, store_engine).startswith("OK")

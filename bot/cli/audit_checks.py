@@ -2,7 +2,9 @@
 
 The tail is the last :data:`TAIL` events with the checkpoints over them, verified
 the way ``kazma audit verify`` verifies the whole log (every link, every
-signature with the public keys of the audit key here). ``kazma audit verify``
+signature with the public keys of the audit key here), and every request row of
+the store against the log (a finished request whose ending event is not in it
+shows a log cut at a checkpoint: one anti-join). ``kazma audit verify``
 is the full check; this one is quick enough to run at every doctor.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from kazma.approvals.audit_verify import verify
+from kazma.approvals.audit_verify import UnrecordedRequest, verify
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, AuditSigner
 from kazma.approvals.store import ApprovalStore
@@ -24,6 +26,7 @@ from kazma.config.keyring import AUDIT_KEYS, KeyMissing, KeyringError, read_keyr
 KEY_CHECK = "audit key"
 CHAIN_CHECK = "audit chain"
 TAIL = 1000  # events verified from the end of the log
+UNRECORDED = 20  # requests named whose row the log does not record
 
 
 def check_audit_key(loaded: LoadedConfig) -> Check:
@@ -54,7 +57,11 @@ async def check_audit_chain(loaded: LoadedConfig) -> Check:
             store = ApprovalStore(opened)
             last = await store.last_event_seq()
             if last == 0:
-                return Check(CHAIN_CHECK, Level.OK, "no audit events yet")
+                # An empty log beside request rows is the whole log cut (with every checkpoint): nothing to walk.
+                unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
+                if not unrecorded:
+                    return Check(CHAIN_CHECK, Level.OK, "no audit events yet")
+                return Check(CHAIN_CHECK, Level.FAIL, _unrecorded_text(unrecorded, more))
             if signer is None:
                 return Check(CHAIN_CHECK, Level.FAIL, f"{last} audit events, but no audit key here to verify them with")
             after = max(0, last - TAIL)
@@ -70,15 +77,35 @@ async def check_audit_chain(loaded: LoadedConfig) -> Check:
             # One past the log's end as it is now is a cut (its last events removed): verify says "truncated".
             checkpoints = [c for c in checkpoints if c.seq <= read_to or c.seq > now_last]
             pending = {s for s in await vouched_tail(store, signer, upto=read_to) if s <= read_to}
+            unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
     except Exception as exc:
         said = str(exc).strip() or type(exc).__name__
         return Check(CHAIN_CHECK, Level.FAIL, f"cannot read the audit log: {said}")
-    report = verify(events, checkpoints, signer.public_keys(), anchored=after == 0, pending=pending)
+    report = verify(
+        events,
+        checkpoints,
+        signer.public_keys(),
+        anchored=after == 0,
+        pending=pending,
+        unrecorded=unrecorded,
+        unrecorded_more=more,
+    )
     if not report.ok:
-        return Check(CHAIN_CHECK, Level.FAIL, f"the last {len(events)} events: {report.summary()}")
+        # The summary names the first problem only: every request the log lost is named, so each can be looked at.
+        named = f"; {_unrecorded_text(unrecorded, more)}" if unrecorded else ""
+        return Check(CHAIN_CHECK, Level.FAIL, f"the last {len(events)} events: {report.summary()}{named}")
     age = "" if newest is None else f"; newest checkpoint #{newest.seq}, {time.time() - newest.at:.0f} s old"
     return Check(
         CHAIN_CHECK, Level.OK, f"the last {len(events)} events (seq {events[0].seq}..{events[-1].seq}) verify{age}"
+    )
+
+
+def _unrecorded_text(unrecorded: list[UnrecordedRequest], more: bool) -> str:
+    listed = ", ".join(f"{r.id} ({r.status}, no {r.event()} event)" for r in unrecorded)
+    tail = f" and more (the oldest {len(unrecorded)} named)" if more else ""
+    return (
+        f"requests whose events are not in the audit log (it was cut, with the checkpoints after the cut): "
+        f"{listed}{tail}"
     )
 
 
