@@ -18,7 +18,7 @@ from mautrix.api import Method
 from mautrix.errors import MatrixRequestError
 
 from kazma.adapters import kit
-from kazma.adapters.admission import DirectPolicy
+from kazma.adapters.admission import DirectPolicy, FileBounds, FileTooLarge
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
 from kazma.adapters.kit import PlatformBase
 from kazma.adapters.matrix import MatrixAdapter
@@ -844,6 +844,21 @@ async def test_the_card_carries_its_reactions_so_one_click_presses(harness: Matr
     await texts_arrived(harness, 1)
     await harness.settled()
     assert harness.recorder.presses == []  # the bot's own reactions press nothing
+
+
+async def test_a_file_larger_than_one_read_arrives_whole_and_one_too_large_is_refused(harness: MatrixHarness) -> None:
+    """A file was fetched with one ``read(limit)``, which gives what has arrived so far: a 1 MB file reached the
+    agents as its first ~118 KB, said nowhere, and a file larger than files.max_bytes that declared a small size
+    passed whenever its first piece was under the bound."""
+    await harness.start(files=FileBounds(max_bytes=1_500_000, max_count=3))
+    whole = bytes(range(256)) * 4_000  # 1 MB: many reads' worth
+    await harness.send_files(harness.home, harness.member, "the dump", [("dump.bin", whole, None)])
+    await harness.send_files(harness.home, harness.member, "small, it says", [("liar.bin", b"y" * 2_000_000, 10)])
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= 2)
+    first, liar = harness.recorder.inbound
+    assert await first.attachments[0].fetch() == whole
+    with pytest.raises(FileTooLarge, match=r"liar\.bin"):
+        await liar.attachments[0].fetch()
 
 
 async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:
