@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
+import types
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -534,17 +536,49 @@ async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_an
     # neither reply to the prompt is chat for the agents
     assert [i.text for i in harness.recorder.inbound] == ["after the reply"]
 
-    # past its window the prompt is answered "expired", still not handed to the agents
+    # a reply sent past its prompt's window (a prompt asked long ago) is answered "expired", never for the agents
     assert isinstance(restarted, MatrixAdapter)
-    restarted.reason_clock = lambda: 4_000_000_000.0
-    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "late words", **relates)
+    restarted.reason_clock = lambda: time.time() - 1_000  # the prompt below ends before its reply is sent
+    old = dataclasses.replace(make_card({"path": "/tmp/y"}), request_id="Rq7xK2mP9vL4nB8cT1wZ5aOd")
+    old_ref = await restarted.post_card(old)
+    await asyncio.to_thread(harness.people[harness.admin].react, old_ref.chat, old_ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 2)
+    [late_prompt] = [e["event_id"] for e in harness._bot_events(harness.home)
+                     if e["content"].get("msgtype") == "m.notice" and e["event_id"] != prompt]  # fmt: skip
+    restarted.reason_clock = time.time
+    late = {"m.relates_to": {"m.in_reply_to": {"event_id": late_prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "late words", **late)
     await harness.say(harness.home, harness.admin, "after the late reply")
     await texts_arrived(harness, 2)
-    told = await harness.wait_for_notices(harness.admin, 2)
+    told = await harness.wait_for_notices(harness.admin, 3)
     assert "that prompt has expired" in told[-1], told
     await harness.settled()
     assert [i.text for i in harness.recorder.inbound] == ["after the reply", "after the late reply"]
     assert len(harness.recorder.presses) == 1
+
+
+async def test_a_reason_given_in_time_but_read_after_the_window_is_the_reason(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply is read from the kept sync position, perhaps long after it was sent (Kazma restarted, the
+    homeserver was away, the sync waited on a slow press). Judged by when it was read, the presser's reason given
+    within the window was refused "expired", and the request stayed pending."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    await adapter.quiesce()
+    await adapter.stop()
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
+    # back long after the window (its clock, from its start): the reply waited for it on the homeserver
+    monkeypatch.setattr(matrix_adapter, "time", types.SimpleNamespace(time=lambda: time.time() + 10_000))
+    await harness.start()
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason) == (card.button_data(Decision.DENY), "it drops the prod table")
+    assert all("expired" not in told for told in harness.notices(harness.admin))
 
 
 async def test_a_reaction_on_a_reason_prompt_after_a_restart_leaves_the_reply_the_reason(

@@ -738,7 +738,7 @@ class MatrixAdapter(PlatformBase):
         sender = str(event.get("sender", ""))
         if sender != prompt.user:
             return False
-        if self.reason_clock() > prompt.until:
+        if _said_at(event, self.reason_clock()) > prompt.until:
             log.info("matrix.reason_reply_refused", actor=self.actor(sender), data=prompt.data, why="expired")
             with contextlib.suppress(PlatformError):
                 await self.notice(room, sender, PROMPT_EXPIRED, reply_to=str(event.get("event_id", "")) or None)
@@ -947,6 +947,18 @@ async def _read_up_to(stream: aiohttp.StreamReader, limit: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def _said_at(event: dict[str, Any], now: float) -> float:
+    """When ``event`` was sent, as its homeserver stamped it (``origin_server_ts``), else ``now``. A reply is read
+    from the kept sync position, perhaps long after it was sent (a restart, an outage, the sync held by a slow
+    press): judged by the time it was read, a reason given in time was refused "expired" and the presser, told to
+    press again, found the card still pending. Never later than ``now``, so a homeserver clock ahead of Kazma's
+    does not shorten the window."""
+    sent = event.get("origin_server_ts")
+    if isinstance(sent, int) and not isinstance(sent, bool) and sent > 0:
+        return min(sent / 1000.0, now)
+    return now
 
 
 def _short(text: str) -> str:
