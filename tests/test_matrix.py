@@ -486,6 +486,33 @@ async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(ha
     )
 
 
+async def test_a_reply_to_a_reason_prompt_without_words_decides_nothing_and_the_prompt_stands(
+    harness: MatrixHarness,
+) -> None:
+    """A picture alone in reply to the prompt denied the request with the reason "shot.png" (its file name), and a
+    reply of blanks denied it with none: a reason is words, as on Telegram; the prompt stands for them."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    admin = harness.people[harness.admin]
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    mxc = await asyncio.to_thread(admin.upload, "shot.png", b"\x89PNG not really")
+    picture = {"msgtype": "m.image", "body": "shot.png", "filename": "shot.png", "url": mxc, **relates}
+    await asyncio.to_thread(admin.send, harness.home, picture)
+    await asyncio.to_thread(admin.say, harness.home, "   ", **relates)
+    told = await harness.wait_for_notices(harness.admin, 3)
+    assert all("a reason is words" in said for said in told[1:]), told
+    assert harness.recorder.presses == []
+    await asyncio.to_thread(admin.say, harness.home, "it drops the prod table", **relates)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason) == (card.button_data(Decision.DENY), "it drops the prod table")
+    await harness.settled()
+    assert harness.recorder.inbound == []  # none of the replies was chat for the agents
+
+
 async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_for_nothing(
     harness: MatrixHarness,
 ) -> None:

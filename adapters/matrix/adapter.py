@@ -41,11 +41,18 @@ from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
-from kazma.adapters.deny_reason import PROMPT_EXPIRED, REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
+from kazma.adapters.deny_reason import (
+    PROMPT_EXPIRED,
+    PROMPT_NO_WORDS,
+    REPLY_WINDOW_SECONDS,
+    deny_data,
+    reason_request,
+    reply_prompt,
+)
 from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
-from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
+from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, reply_words
 from kazma.adapters.matrix.position import Position, SyncPosition
 from kazma.adapters.matrix.render import (
     CHOICES_KEY,
@@ -743,8 +750,15 @@ class MatrixAdapter(PlatformBase):
             with contextlib.suppress(PlatformError):
                 await self.notice(room, sender, PROMPT_EXPIRED, reply_to=str(event.get("event_id", "")) or None)
             return False
-        content = event.get("content") or {}
-        reason = without_reply_fallback(str(content.get("body", ""))).strip()
+        content = event.get("content")
+        reason = reply_words(content) if isinstance(content, dict) else ""
+        if not reason:
+            # A picture or a file alone was the reason "IMG_0001.jpg" (its name), and an empty reply a bare Deny:
+            # as on Telegram, a reason is words, and the prompt stands for a reply with them.
+            log.info("matrix.reason_reply_refused", actor=self.actor(sender), data=prompt.data, why="no words")
+            with contextlib.suppress(PlatformError):
+                await self.notice(room, sender, PROMPT_NO_WORDS, reply_to=str(event.get("event_id", "")) or None)
+            return False
         card = prompt.card
         press = Press(PLATFORM, prompt.data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
         await self._hand_over(press, _Notice(self, room, card, sender), str(event.get("event_id", "")))
