@@ -513,6 +513,27 @@ async def test_a_reply_to_a_reason_prompt_without_words_decides_nothing_and_the_
     assert harness.recorder.inbound == []  # none of the replies was chat for the agents
 
 
+async def test_a_reason_prompt_the_homeserver_failed_to_take_is_posted_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    """The prompt's post failed (a 5xx): the sync moved past the 💬 all the same, so the presser saw nothing happen,
+    could not react 💬 again (the homeserver takes one reaction of a key from a person), and the request stayed
+    pending. The batch comes again now; the prompt's post is one event however often it is tried."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await adapter.quiesce()  # the card's own reactions are out
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/", 500, times=1)  # not taken
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/", 500, times=1, after=True)  # taken; its answer lost
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.say(harness.home, harness.admin, "after the press")
+    assert await texts_arrived(harness, 1, timeout=60) == ["after the press"]
+    assert failure_count("sync", "matrix") == before + 2  # the batch failed twice and came again
+    [prompt] = harness.notices(harness.admin)
+    assert "reply to this message with your reason" in prompt
+
+
 async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_for_nothing(
     harness: MatrixHarness,
 ) -> None:

@@ -134,6 +134,10 @@ class _Tries:
     def forget(self, key: str) -> None:
         self._failed.pop(key, None)
 
+    def tried(self, key: str) -> bool:
+        """Whether ``key`` failed before and is being tried again."""
+        return key in self._failed
+
 
 # Reason prompts (and events found to be none) remembered at once, the oldest forgotten first: read again if need be.
 PROMPTS_KEPT: Final = 1000
@@ -212,6 +216,7 @@ class MatrixAdapter(PlatformBase):
         self._card_read_failures = _Tries()  # card events whose reads failed and may pass (see above)
         self.upgrade_join_tries = UPGRADE_JOIN_TRIES
         self._join_failures = _Tries()  # rooms whose joins (an invite's, an upgrade's) failed and may pass
+        self._prompt_failures = _Tries()  # "deny with reason" presses whose prompt the homeserver failed to take
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -674,7 +679,12 @@ class MatrixAdapter(PlatformBase):
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
         if asked is not None:  # taken in once the prompt is out
-            await _ended(self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}"))
+            asking = self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}",
+                                awaited=True)  # fmt: skip
+            await _ended(asking)
+            failure = None if asking.cancelled() else asking.exception()
+            if failure is not None:
+                raise failure  # a prompt the homeserver may take later: the batch comes again (see _ask_reason)
             return True
         press = Press(
             platform=PLATFORM,
@@ -732,12 +742,27 @@ class MatrixAdapter(PlatformBase):
             return
         prompt = _Prompt(reaction.sender, deny_data(request_id), reaction.target,
                          self.reason_clock() + REPLY_WINDOW_SECONDS)  # fmt: skip
+        again = self._prompt_failures.tried(reaction.event_id)
+        # One transaction per press: a prompt tried again after a lost answer is the same event, not a second one.
+        txn = f"kazma-prompt-{_short(reaction.event_id)}"
         try:
             posted = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),
-                                       reply_to=reaction.target, extra={PROMPT_KEY: prompt.content()})  # fmt: skip
-        except PlatformError:
+                                       reply_to=reaction.target, extra={PROMPT_KEY: prompt.content()},
+                                       txn=txn)  # fmt: skip
+        except PlatformError as exc:
+            if not exc.retryable:
+                return
+            failed = self._prompt_failures.again(reaction.event_id, self.card_read_tries)
+            if failed is None:
+                # The batch comes again with the 💬: passed by, the press was lost unsaid (the homeserver would not
+                # take the same reaction from its presser twice, and nothing showed that it had done nothing).
+                raise
+            count_failure("matrix_reason_prompt_failed", PLATFORM)
+            log.error("matrix.reason_prompt_failed", room=room, card=reaction.target, tries=failed, error=str(exc))
             return
-        self._prompts[posted] = prompt
+        self._prompt_failures.forget(reaction.event_id)
+        if not again:  # else the prompt may be an earlier try's, whose window the event itself says
+            self._prompts[posted] = prompt
 
     async def _reason_given(self, room: str, event: dict[str, Any], prompt: _Prompt) -> bool:
         """A reply to a reason prompt, never chat for the agents: the presser's words in time deny the request
@@ -765,7 +790,14 @@ class MatrixAdapter(PlatformBase):
         return True
 
     async def notice(
-        self, room: str, user: str, text: str, *, reply_to: str | None = None, extra: dict[str, Any] | None = None
+        self,
+        room: str,
+        user: str,
+        text: str,
+        *,
+        reply_to: str | None = None,
+        extra: dict[str, Any] | None = None,
+        txn: str | None = None,
     ) -> str:
         """An ``m.notice`` in ``room`` that mentions ``user`` alone (they are notified, nobody else); its id."""
         client = self._api("press_reply")
@@ -780,7 +812,7 @@ class MatrixAdapter(PlatformBase):
         if reply_to:
             content["m.relates_to"] = {"m.in_reply_to": {"event_id": reply_to}}
         content.update(extra or {})
-        return await self.call("press_reply", room, lambda: self._send(client, room, content), paced=False)
+        return await self.call("press_reply", room, lambda: self._send(client, room, content, txn=txn), paced=False)
 
     # ----------------------------------------------------------------- files in
 
