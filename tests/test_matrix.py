@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
+import types
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
@@ -18,7 +20,7 @@ from mautrix.api import Method
 from mautrix.errors import MatrixRequestError
 
 from kazma.adapters import kit
-from kazma.adapters.admission import DirectPolicy
+from kazma.adapters.admission import DirectPolicy, FileBounds, FileTooLarge
 from kazma.adapters.contract import CardRef, Inbound, PlatformError, ingress_trouble
 from kazma.adapters.kit import PlatformBase
 from kazma.adapters.matrix import MatrixAdapter
@@ -484,6 +486,54 @@ async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(ha
     )
 
 
+async def test_a_reply_to_a_reason_prompt_without_words_decides_nothing_and_the_prompt_stands(
+    harness: MatrixHarness,
+) -> None:
+    """A picture alone in reply to the prompt denied the request with the reason "shot.png" (its file name), and a
+    reply of blanks denied it with none: a reason is words, as on Telegram; the prompt stands for them."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    admin = harness.people[harness.admin]
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    mxc = await asyncio.to_thread(admin.upload, "shot.png", b"\x89PNG not really")
+    picture = {"msgtype": "m.image", "body": "shot.png", "filename": "shot.png", "url": mxc, **relates}
+    await asyncio.to_thread(admin.send, harness.home, picture)
+    await asyncio.to_thread(admin.say, harness.home, "   ", **relates)
+    told = await harness.wait_for_notices(harness.admin, 3)
+    assert all("a reason is words" in said for said in told[1:]), told
+    assert harness.recorder.presses == []
+    await asyncio.to_thread(admin.say, harness.home, "it drops the prod table", **relates)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason) == (card.button_data(Decision.DENY), "it drops the prod table")
+    await harness.settled()
+    assert harness.recorder.inbound == []  # none of the replies was chat for the agents
+
+
+async def test_a_reason_prompt_the_homeserver_failed_to_take_is_posted_when_the_batch_comes_again(
+    harness: MatrixHarness,
+) -> None:
+    """The prompt's post failed (a 5xx): the sync moved past the 💬 all the same, so the presser saw nothing happen,
+    could not react 💬 again (the homeserver takes one reaction of a key from a person), and the request stayed
+    pending. The batch comes again now; the prompt's post is one event however often it is tried."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await adapter.quiesce()  # the card's own reactions are out
+    before = failure_count("sync", "matrix")
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/", 500, times=1)  # not taken
+    harness.proxy.fail("PUT", r"/send/m\.room\.message/", 500, times=1, after=True)  # taken; its answer lost
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.say(harness.home, harness.admin, "after the press")
+    assert await texts_arrived(harness, 1, timeout=60) == ["after the press"]
+    assert failure_count("sync", "matrix") == before + 2  # the batch failed twice and came again
+    [prompt] = harness.notices(harness.admin)
+    assert "reply to this message with your reason" in prompt
+
+
 async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_for_nothing(
     harness: MatrixHarness,
 ) -> None:
@@ -534,17 +584,49 @@ async def test_a_reply_to_a_reason_prompt_after_a_restart_is_still_the_reason_an
     # neither reply to the prompt is chat for the agents
     assert [i.text for i in harness.recorder.inbound] == ["after the reply"]
 
-    # past its window the prompt is answered "expired", still not handed to the agents
+    # a reply sent past its prompt's window (a prompt asked long ago) is answered "expired", never for the agents
     assert isinstance(restarted, MatrixAdapter)
-    restarted.reason_clock = lambda: 4_000_000_000.0
-    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "late words", **relates)
+    restarted.reason_clock = lambda: time.time() - 1_000  # the prompt below ends before its reply is sent
+    old = dataclasses.replace(make_card({"path": "/tmp/y"}), request_id="Rq7xK2mP9vL4nB8cT1wZ5aOd")
+    old_ref = await restarted.post_card(old)
+    await asyncio.to_thread(harness.people[harness.admin].react, old_ref.chat, old_ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 2)
+    [late_prompt] = [e["event_id"] for e in harness._bot_events(harness.home)
+                     if e["content"].get("msgtype") == "m.notice" and e["event_id"] != prompt]  # fmt: skip
+    restarted.reason_clock = time.time
+    late = {"m.relates_to": {"m.in_reply_to": {"event_id": late_prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "late words", **late)
     await harness.say(harness.home, harness.admin, "after the late reply")
     await texts_arrived(harness, 2)
-    told = await harness.wait_for_notices(harness.admin, 2)
+    told = await harness.wait_for_notices(harness.admin, 3)
     assert "that prompt has expired" in told[-1], told
     await harness.settled()
     assert [i.text for i in harness.recorder.inbound] == ["after the reply", "after the late reply"]
     assert len(harness.recorder.presses) == 1
+
+
+async def test_a_reason_given_in_time_but_read_after_the_window_is_the_reason(
+    harness: MatrixHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply is read from the kept sync position, perhaps long after it was sent (Kazma restarted, the
+    homeserver was away, the sync waited on a slow press). Judged by when it was read, the presser's reason given
+    within the window was refused "expired", and the request stayed pending."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)
+    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
+    await harness.wait_for_notices(harness.admin, 1)
+    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    await adapter.quiesce()
+    await adapter.stop()
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
+    # back long after the window (its clock, from its start): the reply waited for it on the homeserver
+    monkeypatch.setattr(matrix_adapter, "time", types.SimpleNamespace(time=lambda: time.time() + 10_000))
+    await harness.start()
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.data, press.reason) == (card.button_data(Decision.DENY), "it drops the prod table")
+    assert all("expired" not in told for told in harness.notices(harness.admin))
 
 
 async def test_a_reaction_on_a_reason_prompt_after_a_restart_leaves_the_reply_the_reason(
@@ -844,6 +926,21 @@ async def test_the_card_carries_its_reactions_so_one_click_presses(harness: Matr
     await texts_arrived(harness, 1)
     await harness.settled()
     assert harness.recorder.presses == []  # the bot's own reactions press nothing
+
+
+async def test_a_file_larger_than_one_read_arrives_whole_and_one_too_large_is_refused(harness: MatrixHarness) -> None:
+    """A file was fetched with one ``read(limit)``, which gives what has arrived so far: a 1 MB file reached the
+    agents as its first ~118 KB, said nowhere, and a file larger than files.max_bytes that declared a small size
+    passed whenever its first piece was under the bound."""
+    await harness.start(files=FileBounds(max_bytes=1_500_000, max_count=3))
+    whole = bytes(range(256)) * 4_000  # 1 MB: many reads' worth
+    await harness.send_files(harness.home, harness.member, "the dump", [("dump.bin", whole, None)])
+    await harness.send_files(harness.home, harness.member, "small, it says", [("liar.bin", b"y" * 2_000_000, 10)])
+    await harness.recorder.wait_until(lambda: len(harness.recorder.inbound) >= 2)
+    first, liar = harness.recorder.inbound
+    assert await first.attachments[0].fetch() == whole
+    with pytest.raises(FileTooLarge, match=r"liar\.bin"):
+        await liar.attachments[0].fetch()
 
 
 async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Unpack
 from urllib.parse import quote
 
+import aiohttp
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
@@ -40,11 +41,18 @@ from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
 from kazma.adapters.contract import CardRef, Handlers, PlatformError, Press
-from kazma.adapters.deny_reason import PROMPT_EXPIRED, REPLY_WINDOW_SECONDS, deny_data, reason_request, reply_prompt
+from kazma.adapters.deny_reason import (
+    PROMPT_EXPIRED,
+    PROMPT_NO_WORDS,
+    REPLY_WINDOW_SECONDS,
+    deny_data,
+    reason_request,
+    reply_prompt,
+)
 from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
-from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, without_reply_fallback
+from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, reply_words
 from kazma.adapters.matrix.position import Position, SyncPosition
 from kazma.adapters.matrix.render import (
     CHOICES_KEY,
@@ -126,6 +134,10 @@ class _Tries:
     def forget(self, key: str) -> None:
         self._failed.pop(key, None)
 
+    def tried(self, key: str) -> bool:
+        """Whether ``key`` failed before and is being tried again."""
+        return key in self._failed
+
 
 # Reason prompts (and events found to be none) remembered at once, the oldest forgotten first: read again if need be.
 PROMPTS_KEPT: Final = 1000
@@ -204,6 +216,7 @@ class MatrixAdapter(PlatformBase):
         self._card_read_failures = _Tries()  # card events whose reads failed and may pass (see above)
         self.upgrade_join_tries = UPGRADE_JOIN_TRIES
         self._join_failures = _Tries()  # rooms whose joins (an invite's, an upgrade's) failed and may pass
+        self._prompt_failures = _Tries()  # "deny with reason" presses whose prompt the homeserver failed to take
         self._client: ClientAPI | None = None
         self.user_id = ""
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
@@ -666,7 +679,12 @@ class MatrixAdapter(PlatformBase):
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
         if asked is not None:  # taken in once the prompt is out
-            await _ended(self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}"))
+            asking = self.spawn(self._ask_reason(room, reaction, asked), name=f"matrix-reason-{reaction.event_id}",
+                                awaited=True)  # fmt: skip
+            await _ended(asking)
+            failure = None if asking.cancelled() else asking.exception()
+            if failure is not None:
+                raise failure  # a prompt the homeserver may take later: the batch comes again (see _ask_reason)
             return True
         press = Press(
             platform=PLATFORM,
@@ -724,12 +742,27 @@ class MatrixAdapter(PlatformBase):
             return
         prompt = _Prompt(reaction.sender, deny_data(request_id), reaction.target,
                          self.reason_clock() + REPLY_WINDOW_SECONDS)  # fmt: skip
+        again = self._prompt_failures.tried(reaction.event_id)
+        # One transaction per press: a prompt tried again after a lost answer is the same event, not a second one.
+        txn = f"kazma-prompt-{_short(reaction.event_id)}"
         try:
             posted = await self.notice(room, reaction.sender, reply_prompt(request_id, reaction.sender),
-                                       reply_to=reaction.target, extra={PROMPT_KEY: prompt.content()})  # fmt: skip
-        except PlatformError:
+                                       reply_to=reaction.target, extra={PROMPT_KEY: prompt.content()},
+                                       txn=txn)  # fmt: skip
+        except PlatformError as exc:
+            if not exc.retryable:
+                return
+            failed = self._prompt_failures.again(reaction.event_id, self.card_read_tries)
+            if failed is None:
+                # The batch comes again with the 💬: passed by, the press was lost unsaid (the homeserver would not
+                # take the same reaction from its presser twice, and nothing showed that it had done nothing).
+                raise
+            count_failure("matrix_reason_prompt_failed", PLATFORM)
+            log.error("matrix.reason_prompt_failed", room=room, card=reaction.target, tries=failed, error=str(exc))
             return
-        self._prompts[posted] = prompt
+        self._prompt_failures.forget(reaction.event_id)
+        if not again:  # else the prompt may be an earlier try's, whose window the event itself says
+            self._prompts[posted] = prompt
 
     async def _reason_given(self, room: str, event: dict[str, Any], prompt: _Prompt) -> bool:
         """A reply to a reason prompt, never chat for the agents: the presser's words in time deny the request
@@ -737,20 +770,34 @@ class MatrixAdapter(PlatformBase):
         sender = str(event.get("sender", ""))
         if sender != prompt.user:
             return False
-        if self.reason_clock() > prompt.until:
+        if _said_at(event, self.reason_clock()) > prompt.until:
             log.info("matrix.reason_reply_refused", actor=self.actor(sender), data=prompt.data, why="expired")
             with contextlib.suppress(PlatformError):
                 await self.notice(room, sender, PROMPT_EXPIRED, reply_to=str(event.get("event_id", "")) or None)
             return False
-        content = event.get("content") or {}
-        reason = without_reply_fallback(str(content.get("body", ""))).strip()
+        content = event.get("content")
+        reason = reply_words(content) if isinstance(content, dict) else ""
+        if not reason:
+            # A picture or a file alone was the reason "IMG_0001.jpg" (its name), and an empty reply a bare Deny:
+            # as on Telegram, a reason is words, and the prompt stands for a reply with them.
+            log.info("matrix.reason_reply_refused", actor=self.actor(sender), data=prompt.data, why="no words")
+            with contextlib.suppress(PlatformError):
+                await self.notice(room, sender, PROMPT_NO_WORDS, reply_to=str(event.get("event_id", "")) or None)
+            return False
         card = prompt.card
         press = Press(PLATFORM, prompt.data, self.actor(sender), room, card, self.is_admin(sender), reason=reason)
         await self._hand_over(press, _Notice(self, room, card, sender), str(event.get("event_id", "")))
         return True
 
     async def notice(
-        self, room: str, user: str, text: str, *, reply_to: str | None = None, extra: dict[str, Any] | None = None
+        self,
+        room: str,
+        user: str,
+        text: str,
+        *,
+        reply_to: str | None = None,
+        extra: dict[str, Any] | None = None,
+        txn: str | None = None,
     ) -> str:
         """An ``m.notice`` in ``room`` that mentions ``user`` alone (they are notified, nobody else); its id."""
         client = self._api("press_reply")
@@ -765,7 +812,7 @@ class MatrixAdapter(PlatformBase):
         if reply_to:
             content["m.relates_to"] = {"m.in_reply_to": {"event_id": reply_to}}
         content.update(extra or {})
-        return await self.call("press_reply", room, lambda: self._send(client, room, content), paced=False)
+        return await self.call("press_reply", room, lambda: self._send(client, room, content, txn=txn), paced=False)
 
     # ----------------------------------------------------------------- files in
 
@@ -783,7 +830,7 @@ class MatrixAdapter(PlatformBase):
                         # 401: the access token refused (the operator's to fix); 404: the media is gone.
                         raise PlatformError(PLATFORM, "file_fetch", f"HTTP {got.status}", retryable=got.status >= 500,
                                             operator_must_act=got.status == 401)  # fmt: skip
-                    return await got.content.read(limit)
+                    return await _read_up_to(got.content, limit)
 
             return await self.call("file_fetch", None, download, paced=False)
 
@@ -931,6 +978,33 @@ async def _direct_rooms(client: ClientAPI) -> dict[str, Any]:
 async def _ended(task: asyncio.Task[Any]) -> None:
     """Wait for ``task`` to end without ending it when this wait is cancelled (tracked work goes on)."""
     await asyncio.wait({task})
+
+
+async def _read_up_to(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The stream's bytes to its end, or its first ``limit`` once it holds that many. One ``read(limit)`` is not
+    that: it gives what has arrived so far, and a 1 MB file reached the agents as its first 118 KB, said nowhere
+    (nor refused when larger than allowed)."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = await stream.read(limit - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _said_at(event: dict[str, Any], now: float) -> float:
+    """When ``event`` was sent, as its homeserver stamped it (``origin_server_ts``), else ``now``. A reply is read
+    from the kept sync position, perhaps long after it was sent (a restart, an outage, the sync held by a slow
+    press): judged by the time it was read, a reason given in time was refused "expired" and the presser, told to
+    press again, found the card still pending. Never later than ``now``, so a homeserver clock ahead of Kazma's
+    does not shorten the window."""
+    sent = event.get("origin_server_ts")
+    if isinstance(sent, int) and not isinstance(sent, bool) and sent > 0:
+        return min(sent / 1000.0, now)
+    return now
 
 
 def _short(text: str) -> str:

@@ -55,6 +55,21 @@ def without_reply_fallback(body: str) -> str:
     return "\n".join(lines[index:])
 
 
+def reply_words(content: dict[str, Any]) -> str:
+    """The words of a reply, as a reason: a text's own (no quoted fallback), a file's caption (Matrix 1.10: a
+    ``body`` other than its ``filename``); empty for a file alone, whose ``body`` is only its name."""
+    body = content.get("body")
+    msgtype = content.get("msgtype")
+    if not isinstance(body, str):
+        return ""
+    if msgtype in TEXT_TYPES:
+        return without_reply_fallback(body).strip()
+    filename = content.get("filename")
+    if msgtype in FILE_TYPES and isinstance(filename, str) and filename and filename != body:
+        return without_reply_fallback(body).strip()
+    return ""
+
+
 def reaction_of(event: dict[str, Any]) -> Reaction | None:
     if event.get("type") != "m.reaction":
         return None
