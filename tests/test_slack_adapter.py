@@ -927,6 +927,89 @@ async def test_a_press_reply_through_the_response_url_goes_through_the_configure
         assert asked == [payload["response_url"]]
 
 
+@pytest.mark.parametrize("verdict", [PressVerdict.LOST, PressVerdict.REFUSED])
+async def test_the_first_press_after_the_bot_token_is_revoked_is_told_through_the_response_url(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
+) -> None:
+    """The first press after a revocation: Kazma does not know yet that the token is refused, so the press's notice
+    went to chat.postEphemeral, whose refusal is what revealed it, and the presser heard nothing. Told now through
+    the press's response URL as soon as that refusal is seen."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    recorder.press_result = PressResult(verdict, "Not yours <here>.", request_id=card.request_id)
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    said = fake.responses[0]
+    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    assert said["text"] == f"Not yours &lt;here&gt;. {slack_adapter.CARD_NOT_EDITED}"
+    assert [c.error for c in fake.calls_to("chat.postEphemeral")] == ["token_revoked"]  # what revealed it
+    assert adapter.setup_refused is not None
+
+
+async def test_the_winner_of_the_first_press_after_a_revocation_is_told_when_the_card_edit_is_refused(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    """The winner's answer is the card edit. The first press after a revocation decided while Kazma did not know the
+    token was refused; the edit after it was refused (which revealed it): the card kept its buttons and the winner
+    heard nothing. The winner waiting on that edit is told through the press's response URL once it is refused."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    fake.revoke(fake.bot_token, "token_revoked")
+    recorder.press_result = PressResult(PressVerdict.WON, "Approved <now>.", request_id=card.request_id)
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await logs.wait_for("platform.press_result")  # answered: the winner waits on the card edit
+    assert fake.responses == []
+    with pytest.raises(PlatformError):
+        await adapter.settle_card(ref, card, outcome_for(card))
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    said = fake.responses[0]
+    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    assert said["text"] == f"Approved &lt;now&gt;. {slack_adapter.CARD_NOT_EDITED}"
+    with pytest.raises(PlatformError):  # told once: a second refusal tells nobody again
+        await adapter.settle_card(ref, card, outcome_for(card))
+    await adapter.stop()
+    assert len(fake.responses) == 1
+
+
+async def test_the_winner_whose_card_was_edited_is_not_told_of_a_later_refusal(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    """A winner whose card was edited heard their answer there: a refusal of the token later tells them nothing."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    recorder.press_result = PressResult(PressVerdict.WON, "Approved.", request_id=card.request_id)
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=APPROVE_ACTION,
+        value=card.button_data(Decision.APPROVE),
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await logs.wait_for("platform.press_result")
+    await adapter.settle_card(ref, card, outcome_for(card))
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    await adapter.stop()
+    assert fake.responses == []
+
+
 async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
 ) -> None:

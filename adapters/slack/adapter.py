@@ -139,6 +139,12 @@ CARD_NOT_EDITED: Final = (
 )
 
 
+# A press's response URL takes answers for 30 minutes (Slack's documented lifetime): a winner waiting on a card
+# edit longer than that cannot be told there. At most this many winners are kept waiting (the oldest go first).
+RESPONSE_URL_LIFETIME: Final = 30 * 60.0
+EDIT_WAITERS_KEPT: Final = 1000
+
+
 # Told to a presser of "Deny with reason" while Slack refuses the bot token: views.open cannot open the form.
 REASON_FORM_REFUSED: Final = (
     "The reason form cannot open: Slack refused Kazma's bot token. Press Deny to deny without a reason, or give "
@@ -151,18 +157,33 @@ class _EphemeralReply:
 
     ``response_url``: the press's own (a button's, not a modal's). With the bot token refused no card is edited and
     ``chat.postEphemeral`` is refused too: the presser heard nothing and saw the buttons stay, after a press that
-    decided. The response URL needs no token, so they are told there."""
+    decided. The response URL needs no token, so they are told there. The first press after a revocation decides
+    before Kazma knows of it: the refusal of its own notice, or of its card's edit, is what tells Kazma, and the
+    presser is told through the response URL then."""
 
-    def __init__(self, adapter: SlackAdapter, channel: str, user: str, response_url: str | None = None) -> None:
+    def __init__(
+        self,
+        adapter: SlackAdapter,
+        channel: str,
+        user: str,
+        response_url: str | None = None,
+        message_ts: str | None = None,
+    ) -> None:
         self.adapter = adapter
         self.channel = channel
         self.user = user
         self.response_url = response_url
+        self.message_ts = message_ts
 
     async def acknowledge(self, text: str) -> None:
-        # Otherwise the card, edited for everyone within moments, says it.
-        if self.adapter.setup_refused is not None and self.response_url:
+        if not self.response_url:
+            return  # the card, edited for everyone within moments, says it
+        if self.adapter.setup_refused is not None:
             await self._respond(f"{text} {CARD_NOT_EDITED}")
+        elif self.channel and self.message_ts:
+            # The card's edit is the answer; should Slack refuse the token on it (or before it), the winner is told
+            # through the response URL instead (see SlackAdapter._tell_edit_waiters).
+            self.adapter._wait_for_edit(self.channel, self.message_ts, self.response_url, text)
 
     async def notify(self, text: str) -> None:
         if self.adapter.setup_refused is not None and self.response_url:
@@ -170,12 +191,19 @@ class _EphemeralReply:
             return
         if not self.channel or not self.user:
             return
-        await self.adapter.call(
-            "press_reply",
-            self.channel,
-            lambda: self.adapter.client.chat_postEphemeral(channel=self.channel, user=self.user, text=escape(text)),
-            paced=False,
-        )
+        try:
+            await self.adapter.call(
+                "press_reply",
+                self.channel,
+                lambda: self.adapter.client.chat_postEphemeral(channel=self.channel, user=self.user, text=escape(text)),
+                paced=False,
+            )
+        except PlatformError:
+            if self.adapter.setup_refused is None or not self.response_url:
+                raise
+            # This notice is what showed Slack refuses the token (the first press after a revocation): the
+            # response URL still reaches the presser.
+            await self._respond(f"{text} {CARD_NOT_EDITED}")
 
     async def _respond(self, text: str) -> None:
         url = self.response_url
@@ -345,6 +373,9 @@ class SlackAdapter(PlatformBase):
         # Slack refused the bot token while Kazma ran, and what the operator does about it: the token comes from the
         # configuration, so until a restart every call with it is refused again.
         self._token_refused: str | None = None
+        # Winners of a press waiting on their card's edit (channel, ts) -> (response URL, answer, since), or None
+        # once the card was edited: told if Slack refuses the token first (see _wait_for_edit). Oldest first.
+        self._edit_waiters: dict[tuple[str, str], tuple[str, str, float] | None] = {}
         # The same for the app-level token (Socket Mode's): inbound only, so the bot token still posts.
         self._app_token_refused: str | None = None
         self._register()
@@ -381,6 +412,40 @@ class SlackAdapter(PlatformBase):
         self._token_refused = f"Slack refused the bot token ({refusal(exc)}): {OPERATOR_FIX}"
         count_failure("token_refused", PLATFORM)
         log.error("slack.token_refused", refused="bot token", site=site, error=refusal(exc), fix=OPERATOR_FIX)
+        self._tell_edit_waiters()
+
+    def _wait_for_edit(self, chat: str, ts: str, response_url: str, text: str) -> None:
+        """A winner's answer is the edit of card ``chat``/``ts``: kept with the press's response URL until the edit
+        lands, so a refusal of the token meanwhile still reaches them (see :meth:`_tell_edit_waiters`)."""
+        key = (chat, ts)
+        if key in self._edit_waiters and self._edit_waiters[key] is None:
+            return  # edited already: they saw it
+        self._edit_waiters.pop(key, None)
+        self._edit_waiters[key] = (response_url, text, self._clock())
+        while len(self._edit_waiters) > EDIT_WAITERS_KEPT:
+            del self._edit_waiters[next(iter(self._edit_waiters))]
+
+    def _card_edited(self, chat: str, ts: str) -> None:
+        key = (chat, ts)
+        self._edit_waiters.pop(key, None)
+        self._edit_waiters[key] = None  # a press answered after this edit needs no word later
+        while len(self._edit_waiters) > EDIT_WAITERS_KEPT:
+            del self._edit_waiters[next(iter(self._edit_waiters))]
+
+    def _tell_edit_waiters(self) -> None:
+        """Slack refused the bot token: the winners whose card was not edited yet never will see it edited (until
+        the operator's restart), so each is told through their press's response URL, which needs no token."""
+        now = self._clock()
+        waiting = [w for w in self._edit_waiters.values() if w is not None and now - w[2] < RESPONSE_URL_LIFETIME]
+        self._edit_waiters.clear()
+        for url, text, _ in waiting:
+            self.spawn(self._tell_waiter(url, text), name="kazma-slack-tell-winner")
+
+    async def _tell_waiter(self, url: str, text: str) -> None:
+        try:
+            await self.respond(url, escape(f"{text} {CARD_NOT_EDITED}"))
+        except PlatformError as exc:  # counted by the kit's call (press_reply)
+            log.warning("slack.winner_untold", error=str(exc))
 
     def _refuse_app_token(self, exc: SlackApiError) -> None:
         """Slack refused the app-level token on ``apps.connections.open``: said and counted once, and no socket is
@@ -814,7 +879,9 @@ class SlackAdapter(PlatformBase):
                 signed=tuple(context.get(_SIGNED, ())),
             )
             responds = body.get("response_url")
-            reply = _EphemeralReply(self, channel, user, responds if isinstance(responds, str) else None)
+            reply = _EphemeralReply(
+                self, channel, user, responds if isinstance(responds, str) else None, press.message_id
+            )
             await self.press(press, reply, key=interaction_key(body, action))
 
     async def _on_deny_reason(self, ack: AsyncAck, body: dict[str, Any], action: dict[str, Any]) -> None:
@@ -1017,4 +1084,6 @@ class SlackAdapter(PlatformBase):
             ),
             paced=False,  # chat.update is not limited per channel like chat.postMessage
         )
+        if settled:
+            self._card_edited(ref.chat, ref.message_id)
         return True
