@@ -1010,6 +1010,47 @@ async def test_the_winner_whose_card_was_edited_is_not_told_of_a_later_refusal(
     assert fake.responses == []
 
 
+async def _reason_view(fake: FakeSlack, adapter: SlackAdapter, card: ApprovalCard, ref: CardRef) -> dict[str, Any]:
+    await fake.post_block_action(
+        events_url(adapter),
+        action_id=DENY_REASON_ACTION,
+        value=f"kz1:{card.request_id}:n",
+        user=ADMIN,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+    await fake.wait_for(lambda: len(fake.views) == 1)
+    return fake.views[0]
+
+
+@pytest.mark.parametrize("verdict", [PressVerdict.WON, PressVerdict.LOST])
+async def test_a_reason_submitted_while_slack_refuses_the_bot_token_is_answered_in_the_modal(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, verdict: PressVerdict
+) -> None:
+    """A view submission carries no response URL, and with the bot token refused the card is not edited and
+    chat.postEphemeral is refused: the modal closed and the presser heard nothing of their Deny. The ack of the
+    submission needs no token: the modal is replaced with what their Deny did."""
+    card = make_card({"x": 1})
+    ref = await adapter.post_card(card)
+    view = await _reason_view(fake, adapter, card, ref)
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+    recorder.press_result = PressResult(verdict, f"{verdict.value} <here>", request_id=card.request_id)
+    answered = await fake.post_view_submission(
+        events_url(adapter), view=view, user=ADMIN, values={"kazma_reason": {"reason": "no"}}
+    )
+    assert answered.status == 200
+    assert [p.reason for p in recorder.presses] == ["no"]
+    said = json.loads(answered.body)
+    assert said["response_action"] == "update"
+    shown = json.dumps(said["view"]["blocks"])
+    assert escape(f"{verdict.value} <here>") in shown
+    assert escape(slack_adapter.CARD_NOT_EDITED) in shown
+    assert said["view"]["type"] == "modal"
+    assert fake.calls_to("chat.postEphemeral") == []
+
+
 async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_cannot_open(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder
 ) -> None:

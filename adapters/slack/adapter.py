@@ -139,6 +139,16 @@ CARD_NOT_EDITED: Final = (
 )
 
 
+# How long a reason submitted while Slack refuses the bot token waits for its answer before the submission is
+# acknowledged (Slack shows the person an error past 3 seconds); the press policy says "Recorded, updating…" by
+# then at its default press_timeout.
+REASON_ANSWER_WITHIN: Final = 2.5
+REASON_UNANSWERED: Final = (
+    "Your Deny is still being decided, and Kazma cannot tell you here how it ends; the request's approval page "
+    "shows it."
+)
+
+
 # A press's response URL takes answers for 30 minutes (Slack's documented lifetime): a winner waiting on a card
 # edit longer than that cannot be told there. At most this many winners are kept waiting (the oldest go first).
 RESPONSE_URL_LIFETIME: Final = 30 * 60.0
@@ -209,6 +219,40 @@ class _EphemeralReply:
         url = self.response_url
         assert url is not None
         await self.adapter.respond(url, escape(text))
+
+
+class _ModalReply:
+    """The answer to a reason submitted while Slack refuses the bot token, kept for the submission's
+    acknowledgement (see ``SlackAdapter._on_reason``): the first thing the press policy says. Anything said after
+    the acknowledgement went has no way to the presser; it is logged."""
+
+    def __init__(self) -> None:
+        self.said: str | None = None
+        self.done = asyncio.Event()
+
+    async def acknowledge(self, text: str) -> None:
+        self._say(text)
+
+    async def notify(self, text: str) -> None:
+        self._say(text)
+
+    def _say(self, text: str) -> None:
+        if self.done.is_set():
+            log.info("slack.reason_answer_untold", said=text[:200])
+            return
+        self.said = text
+        self.done.set()
+
+
+def _answer_view(text: str) -> dict[str, Any]:
+    """The reason modal, replaced with what its Deny did and why the card stays as it is (no submit button)."""
+    shown = escape(f"{text} {CARD_NOT_EDITED}")
+    return {
+        "type": "modal",
+        "title": {"type": "plain_text", "text": REASON_TITLE[:24]},
+        "close": {"type": "plain_text", "text": "Close"},
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": shown[:MAX_SECTION_TEXT]}}],
+    }
 
 
 class _FallBack(Exception):
@@ -942,12 +986,21 @@ class SlackAdapter(PlatformBase):
                 await self.respond(responds, escape(REASON_FORM_REFUSED))
 
     async def _on_reason(self, ack: AsyncAck, body: dict[str, Any], view: dict[str, Any]) -> None:
-        """The modal was submitted: the Deny, with the words, through the one press policy."""
-        await ack()
+        """The modal was submitted: the Deny, with the words, through the one press policy.
+
+        While Slack refuses the bot token, the submission is acknowledged only once the Deny is answered (within
+        Slack's 3 seconds), with the modal replaced by that answer: a submission has no response URL, the card is
+        not edited and ``chat.postEphemeral`` is refused, so the acknowledgement, which needs no token, is the one
+        way the presser hears what their Deny did."""
+        refused = self.setup_refused is not None
+        if not refused:
+            await ack()
         with self.tracking():
             try:
                 meta = json.loads(str(view.get("private_metadata") or "{}"))
             except ValueError:
+                if refused:
+                    await ack()
                 return
             user = str((body.get("user") or {}).get("id", ""))
             values = ((view.get("state") or {}).get("values") or {}).get(REASON_BLOCK) or {}
@@ -963,7 +1016,22 @@ class SlackAdapter(PlatformBase):
                 reason=reason,
             )
             key = f"view:{view.get('id')}" if view.get("id") else None
-            await self.press(press, _EphemeralReply(self, channel, user), key=key)
+            if not refused:
+                await self.press(press, _EphemeralReply(self, channel, user), key=key)
+                return
+            answer = _ModalReply()
+            self.spawn(self._decide_reason(press, answer, key), name="kazma-slack-reason")
+            with contextlib.suppress(TimeoutError):
+                await bounded(answer.done.wait(), REASON_ANSWER_WITHIN)
+            if answer.said is None:
+                log.info("slack.reason_answer_late", actor=press.actor)
+            await ack(response_action="update", view=_answer_view(answer.said or REASON_UNANSWERED))
+
+    async def _decide_reason(self, press: Press, answer: _ModalReply, key: str | None) -> None:
+        try:
+            await self.press(press, answer, key=key)
+        finally:
+            answer.done.set()  # also when nothing was said (another replica's press): the modal is not held
 
     # -- outbound ---------------------------------------------------------
 
