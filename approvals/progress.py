@@ -50,6 +50,24 @@ def _count(done: int, needed: int, noun: str, who: Sequence[str]) -> str:
     return f"{done} of {needed} {plural}" + (f": {', '.join(who)}" if who else "")
 
 
+def approval_counts(
+    config: KazmaConfig, policy_name: str | None, started_by: str | None, actor: str, platform: str
+) -> bool:
+    """Whether an approving review by ``actor`` on ``platform`` counts under the configuration running now: its
+    identity may decide under the request's policy, and is not the requester's where the policy forbids that.
+
+    A review made before the policy changed (its approvers, ``forbid_requester``, whose an identity is) counts
+    only as a press made now would: the check before an approved call runs weighs reviews so, and a threshold
+    reached on a review it would not count was an approval that then never ran, reported as forged."""
+    policy = config.policy(policy_name or DEFAULT_POLICY)
+    if policy is None or not config.roster.may_decide(actor, platform, policy.approvers):
+        return False
+    if policy.forbid_requester and started_by is not None:
+        asker = started_by if ":" not in started_by else person_key(config.people, started_by)
+        return person_key(config.people, actor) != asker
+    return True
+
+
 def reviewed_by(config: KazmaConfig, reviews: Sequence[Review]) -> set[str]:
     """Who has reviewed, by name (identity when nobody's): as each review was recorded, and whose its identity is
     now (an identity linked to its person after it reviewed is that person's review)."""
@@ -76,7 +94,13 @@ def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence
     if request.approve_needed == 1 and request.deny_needed == 1:
         return None
     policy = config.policy(request.policy or DEFAULT_POLICY)
-    approvals = _by_person(config, reviews, Decision.APPROVE)
+    counting = [
+        r
+        for r in reviews
+        if r.decision is Decision.DENY
+        or approval_counts(config, request.policy, request.started_by, r.actor, r.platform)
+    ]
+    approvals = _by_person(config, counting, Decision.APPROVE)
     denials = _by_person(config, reviews, Decision.DENY)
     waiting: list[str] = []
     if policy is not None and request.status.value == "pending":

@@ -44,7 +44,7 @@ from kazma.approvals.model import (
     clean_reason,
     decider_text,
 )
-from kazma.approvals.progress import Progress, progress_line, progress_of
+from kazma.approvals.progress import Progress, approval_counts, progress_line, progress_of
 from kazma.approvals.rules import Rule, RuleStore, in_a_chat, rule_standing, rules_consulted_for
 from kazma.approvals.seal import FORGED, SealProblem
 from kazma.approvals.store import (
@@ -404,6 +404,7 @@ class ApprovalService:
         self.store = store
         self.config = config
         store.person_of = self._person_now  # reviews weighed by whose each identity is under this configuration
+        store.approval_counts = self._approval_counts  # and approvals by whether they would count if made now
         self.publisher = publisher
         self.clock = clock
         self._waiters = Waiters(
@@ -1111,6 +1112,10 @@ class ApprovalService:
         """Whose ``actor`` is under the configuration running now (a review's store weighs earlier reviews by it)."""
         return self.config.roster.person_of(actor)
 
+    def _approval_counts(self, rules: Rules, actor: str, platform: str) -> bool:
+        """Whether an approving review of a request opened under ``rules`` counts under the configuration now."""
+        return approval_counts(self.config, rules.policy, rules.started_by, actor, platform)
+
     def _same_person(self, started_by: str, actor: str) -> bool:
         """Whether ``actor`` is the one who started the work (``started_by``: a person's name or an identity)."""
         people = self.config.people
@@ -1755,15 +1760,15 @@ class ApprovalService:
 
     async def _reviews_problem(self, request: ApprovalRequest) -> SealProblem | None:
         """An approval under a policy of several people stands on that many approving reviews, each by a
-        different person allowed to decide under the policy, the decider's among them."""
+        different person allowed to decide under the policy (never the requester under ``forbid_requester``), the
+        decider's among them."""
         if request.approve_needed == 1:
             return None
-        policy = self.config.policy(request.policy or DEFAULT_POLICY)
-        approvers = () if policy is None else policy.approvers
         approving = {
             r.reviewer
             for r in await self.store.reviews(request.id)
-            if r.decision is Decision.APPROVE and self.config.roster.may_decide(r.actor, r.platform, approvers)
+            if r.decision is Decision.APPROVE
+            and approval_counts(self.config, request.policy, request.started_by, r.actor, r.platform)
         }
         if len(approving) < request.approve_needed:
             return SealProblem(

@@ -101,7 +101,7 @@ _REVIEW = (
 )
 _REVIEW_COLUMNS = "request_id, reviewer, actor, platform, decision, reason, at"
 # A request's reviews, as a press under a policy of several people weighs them (after _REVIEW_LOCK).
-_REVIEWS_OF = "SELECT reviewer, actor, decision FROM approval_reviews WHERE request_id = ?"
+_REVIEWS_OF = "SELECT reviewer, actor, decision, platform FROM approval_reviews WHERE request_id = ?"
 _RETURNING = f" RETURNING {_COLUMNS}"
 # The checkpoint that signs a request's decision: the first one at or after the event the compare-and-set wrote.
 _DECISION_SEQ = (
@@ -408,6 +408,9 @@ FirstUse = Callable[[Tx], bool]
 # Whose an identity is under the configuration a press runs with (people:), or None: a review made before an
 # identity was linked to its person is then still that person's.
 PersonOf = Callable[[str], "str | None"]
+# Whether an approving review (by an identity, on a platform) of a request opened under these rules counts under
+# the configuration a press runs with.
+ApprovalCounts = Callable[["Rules", str, str], bool]
 
 
 class FoundCard(StrEnum):
@@ -538,6 +541,9 @@ class ApprovalStore:
         # None: as each review was recorded): under a policy of several people, a review an identity made before
         # it was linked to its person is that person's too (one person counts once, whenever their doors were linked).
         self.person_of: PersonOf | None = None
+        # Whether an earlier approving review still counts (set by the ApprovalService; None: every one does): one
+        # by somebody the policy no longer lets decide, or by the requester under forbid_requester, does not.
+        self.approval_counts: ApprovalCounts | None = None
 
     @property
     def conn(self) -> aiosqlite.Connection:
@@ -949,7 +955,13 @@ class ApprovalStore:
                                   person=person)  # fmt: skip
                 return Pressed(None, False, request, ReviewState.REPEATED)
             # People, not rows: two reviews by identities linked to one person since they were made count once.
-            counted = {_reviewer_now(row, of) for row in earlier if row[2] == decision.value} | {reviewer}
+            counts = self.approval_counts
+            counted = {
+                _reviewer_now(row, of)
+                for row in earlier
+                if row[2] == decision.value
+                and (decision is Decision.DENY or counts is None or counts(rules, str(row[1]), str(row[3])))
+            } | {reviewer}
             if len(counted) < needed:
                 standing = tx.one(f"SELECT {_STANDING} FROM approval_requests WHERE id = ?", (request_id,))  # noqa: S608
                 request = _standing(standing)

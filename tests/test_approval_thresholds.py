@@ -329,3 +329,35 @@ async def test_remembered_approvals_never_stand_for_a_policy_of_two(tmp_path: Pa
         assert await s.store.events(event="rule_used") == []
     finally:
         await conn.close()
+
+
+# The same people, with alice no longer among the approvers of "two" (the configuration changed while a request
+# waited); and with "two" forbidding the requester's approval.
+_TWO_WITHOUT_ALICE = POLICY_PEOPLE_YAML.replace("two: {approve: 2}", "two: {approve: 2, approvers: [bob, carol, dave]}")
+_TWO_NO_SELF = POLICY_PEOPLE_YAML.replace("two: {approve: 2}", "two: {approve: 2, forbid_requester: true}")
+
+
+@pytest.mark.parametrize("after", [_TWO_WITHOUT_ALICE, _TWO_NO_SELF], ids=["not-an-approver", "the-requester"])
+async def test_a_review_the_changed_policy_would_refuse_does_not_count_toward_its_threshold(
+    store_engine: Engine, after: str
+) -> None:
+    """alice approves; kazma.yaml then takes her out of the policy's approvers (or forbids the requester, and she
+    asked for the call) and Kazma restarts. Bob's approval was counted as the second and set "approved", which
+    the check before the call runs (reviews weighed under the configuration now) then called a forgery: told
+    "Approved", the call never ran. Her review no longer counts: the request waits for a second person."""
+    before = load_config_text(POLICY_PEOPLE_YAML).config
+    async with approval_service(store_engine.where, config=before, publisher=RecordingPublisher()) as service:
+        request = await service.open(
+            "shell", {"command": "rm -rf /srv"}, "agent:b", "telegram:-100", durable=True, started_by="alice"
+        )
+        first = await service.decide(request.id, Decision.APPROVE, actor="telegram:111", platform="telegram")
+        assert first.verdict is PressVerdict.COUNTED
+    changed = load_config_text(after).config
+    async with approval_service(store_engine.where, config=changed, publisher=RecordingPublisher()) as service:
+        second = await service.decide(request.id, Decision.APPROVE, actor="telegram:333", platform="telegram")
+        assert second.verdict is PressVerdict.COUNTED, second.message
+        assert "1 of 2 approvals: bob on Telegram" in second.message
+        assert (await service.store.get(request.id)).status is Status.PENDING  # type: ignore[union-attr]
+        third = await service.decide(request.id, Decision.APPROVE, actor="slack:U0CAROL01", platform="slack")
+        assert third.verdict is PressVerdict.WON
+        await service.verify_execution(request.id, "shell", {"command": "rm -rf /srv"})  # bob and carol: runs
