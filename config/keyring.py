@@ -222,15 +222,23 @@ class Keyring:
             # Taken before the read: a file replaced between the two is read once more at the next miss, never
             # taken for read when it was not.
             seen = _identity(self.path)
-            if seen == self._read_as:
-                return None  # nothing changed since it was last read: the key is not there
-            self._read_as = seen
-            self._keys = parse_keys(self.path.read_text(encoding="utf-8"), self.spec, source=str(self.path))
-        except (OSError, UnicodeDecodeError, KeyringError) as exc:
+        except OSError as exc:
             log.warning("keyring.reread_failed", purpose=self.spec.purpose, path=str(self.path), error=str(exc))
             return None
+        if seen == self._read_as:
+            # Nothing changed since it was last read. The keys are looked up again: another thread (the writer's,
+            # the loop) may have read it since this one looked, and it sets what it read before its identity.
+            return next((k for k in self._keys if k.id == key_id), None)
+        try:
+            keys = parse_keys(self.path.read_text(encoding="utf-8"), self.spec, source=str(self.path))
+        except (OSError, UnicodeDecodeError, KeyringError) as exc:
+            log.warning("keyring.reread_failed", purpose=self.spec.purpose, path=str(self.path), error=str(exc))
+            self._read_as = seen  # unusable as it is: read again once it changed
+            return None
+        self._keys = keys
+        self._read_as = seen  # after the keys: whoever finds it unchanged finds them
         log.info("keyring.reread", purpose=self.spec.purpose, path=str(self.path), keys=list(self.ids), wanted=key_id)
-        return next((k for k in self._keys if k.id == key_id), None)
+        return next((k for k in keys if k.id == key_id), None)
 
     def describe(self) -> str:
         """One line for people: where the keys are and which ids, never a secret."""
