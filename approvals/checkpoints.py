@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import importlib.util
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -49,6 +50,7 @@ _DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can neve
 _COMMIT_DOMAIN = "kazma-audit-commit-v1"
 _SHA256_BLOCK = 64  # bytes: an HMAC key no longer than this is zero-padded to it
 _SEQ_DIGITS = 19  # the most decimal digits of a sequence number (a 64-bit key)
+_SEAL_KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what a keyring's key id may be (kazma.config.keyring)
 
 HISTORY = "history"  # covers the events recorded before the chain began, chained once (the one-time migration)
 HEAD = "head"  # covers events Kazma appended (each vouched for by its transaction's commit seal)
@@ -192,6 +194,16 @@ class AuditSigner:
             _commit_key(key.secret), _commit_message(key_id, int(first), seq, head), hashlib.sha256
         ).hexdigest()
         return int(first) if hmac.compare_digest(expected.encode(), mac.encode("utf-8")) else None
+
+    def unknown_key(self, seal: object) -> str | None:
+        """The key id ``seal`` names when this process holds no such key (its file read again if it changed):
+        another replica's newer keyring, or a forged seal. None: a key it holds, or no key id a seal can name."""
+        if type(seal) is not str:
+            return None
+        key_id = seal.partition(":")[0]
+        if not _SEAL_KEY_ID.fullmatch(key_id) or key_id == self._own.id or self.keyring.find(key_id) is not None:
+            return None
+        return key_id
 
     def sign(self, kind: str, first_seq: int, seq: int, head: str, at: float) -> Checkpoint:
         if self._private is None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.approvals.audit_verify import verify
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.checkpoints import AuditSigner
-from kazma.config.keyring import AUDIT_KEYS, open_keyring, retire_key, rotate_key_file
+from kazma.config.keyring import AUDIT_KEYS, Keyring, open_keyring, retire_key, rotate_key_file
 from tests.approvals_support import approval_service
 from tests.audit_support import Attacker, whole_log
 from tests.store_backends import Engine
@@ -82,8 +83,10 @@ async def test_forged_seals_are_never_vouched_for_read_the_key_file_once_and_sto
         assert ring.current is read  # the file did not change: the made-up key cost no read of it
         events, checkpoints = await whole_log(here)
     assert judged.unvouched == [1, 2, 3]
+    assert judged.unknown_keys == {"x1", "x2"}  # k2 is held: its seal is forged by its MAC, not its key
     assert [(c.first_seq, c.seq) for c in judged.signed] == [(4, 5)]
     assert again.unvouched == [6]
+    assert again.unknown_keys == {"made-up"}
     assert [(c.first_seq, c.seq) for c in again.signed] == [(7, 7)]
     report = verify(events, checkpoints, cli.public_keys())
     assert report.first is not None
@@ -108,3 +111,27 @@ async def test_kazma_keeps_vouching_for_its_own_events_when_its_key_is_retired_w
     assert running.keyring.ids == ("k2",)
     assert judged.unvouched == []
     assert [(c.first_seq, c.seq, c.key_id) for c in judged.signed] == [(1, 2, "k1")]
+
+
+async def test_a_replica_sealing_with_a_key_the_others_do_not_hold_is_named_in_their_log(
+    store_engine: Engine,
+) -> None:
+    # KAZMA_AUDIT_KEY rotated on one replica first (the new key put first there): the others cannot read it
+    # anywhere, count its events unvouched and sign past them. Their log said only "written around Kazma".
+    old = AuditSigner(Keyring.of(AUDIT_KEYS, ("a1", "YXVkaXQta2V5LW9mLWV2ZXJ5LWthem1hLXRlc3QtLS0")))
+    new = AuditSigner(
+        Keyring.of(
+            AUDIT_KEYS, ("a2", "bmV3LWF1ZGl0LWtleS1vZi1rYXptYS10ZXN0LS0tLS0"), ("a1", old.keyring.current.written)
+        )
+    )
+    async with approval_service(store_engine.where, audit=new) as rotated:
+        await rotated.open("shell", ARGS, "agent:builder", "telegram:-100")
+    async with approval_service(store_engine.where, audit=old) as here:
+        await here.open("shell", ARGS, "agent:builder", "telegram:-100")
+        with capture_logs() as logs:
+            judged = await Checkpointer(here.store, old).sign()
+    assert judged.unvouched == [1]
+    assert judged.unknown_keys == {"a2"}
+    [said] = [e for e in logs if e["event"] == "audit.seal_key_unknown"]
+    assert (said["keys"], said["held"]) == (["a2"], ["a1"])
+    assert "KAZMA_AUDIT_KEY" in said["detail"]
