@@ -118,6 +118,9 @@ class Judged:
     signed: list[Checkpoint] = field(default_factory=list)
     newest: tuple[int, float] | None = None  # (seq, at) of the newest checkpoint after this pass
     unvouched: list[int] = field(default_factory=list)  # rows no commit seal vouches for
+    # Key ids that seals of unvouched rows name and this process does not hold: another replica's newer
+    # KAZMA_AUDIT_KEY (a rotation not done everywhere yet), or forged.
+    unknown_keys: set[str] = field(default_factory=set)
     missing_after: int | None = None  # a checkpoint signs past the last event: the log was cut here
     # Seconds until the newest checkpoint, another process's, is min_interval old: this pass signed nothing and the
     # next goes then (see Checkpointer._judge). 0.0: it did not wait.
@@ -259,6 +262,17 @@ class Checkpointer:
                 count=len(fresh),
                 detail="events no commit seal of Kazma's vouches for (written around Kazma): never signed",
             )
+            if judged.unknown_keys:
+                # Said apart: "written around Kazma" sent an operator hunting an intruder when a replica had been
+                # restarted with a rotated KAZMA_AUDIT_KEY the others did not hold yet.
+                log.error(
+                    "audit.seal_key_unknown",
+                    keys=sorted(judged.unknown_keys)[:20],
+                    held=list(self.signer.keyring.ids),
+                    detail="commit seals name audit keys this process does not hold: a replica with a newer "
+                    "KAZMA_AUDIT_KEY (add a new key after the current one on every replica first, see README), or "
+                    "forged; their events are never signed",
+                )
         if judged.missing_after is not None and -judged.missing_after not in self._reported:
             self._reported.add(-judged.missing_after)
             count_failure("audit_events_missing")
@@ -457,6 +471,8 @@ def _vouched_runs(signer: AuditSigner, rows: list[Any], prev: str, judged: Judge
         vouched = [e for e, ok in pending if first is not None and e.seq >= first and ok]
         if first is None or len(vouched) != event.seq - first + 1:
             vouched = []
+        if first is None and (unknown := signer.unknown_key(seal)) is not None:
+            judged.unknown_keys.add(unknown)
         judged.unvouched += [e.seq for e, _ in pending if not vouched or e.seq < vouched[0].seq]
         if vouched:
             if runs and runs[-1][1] == vouched[0].seq - 1:

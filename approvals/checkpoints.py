@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import importlib.util
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -49,6 +50,7 @@ _DOMAIN = "kazma-audit-checkpoint-v1"  # a signature over anything else can neve
 _COMMIT_DOMAIN = "kazma-audit-commit-v1"
 _SHA256_BLOCK = 64  # bytes: an HMAC key no longer than this is zero-padded to it
 _SEQ_DIGITS = 19  # the most decimal digits of a sequence number (a 64-bit key)
+_SEAL_KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # what a keyring's key id may be (kazma.config.keyring)
 
 HISTORY = "history"  # covers the events recorded before the chain began, chained once (the one-time migration)
 HEAD = "head"  # covers events Kazma appended (each vouched for by its transaction's commit seal)
@@ -151,13 +153,18 @@ class AuditSigner:
         if importlib.util.find_spec("cryptography") is None:  # looked up, not imported (see the imports)
             raise ImportError("the audit chain's checkpoints are signed with cryptography, which is not installed")
         self.keyring = keyring
+        # The key this process seals and signs with, for as long as it runs: the keyring's current key may change
+        # under it (it reads its file again on meeting a seal by a key rotated in). The first signature took the
+        # keyring's current key then, and signed with the new key under this one's id: a checkpoint that never
+        # verified, and the events it covered stayed unsigned for good.
+        self._own = keyring.current
         self._private: Ed25519PrivateKey | None = None  # made at the first signature
-        self.key_id = keyring.current.id
+        self.key_id = self._own.id
         # HMAC-SHA256's two keyed states (RFC 2104: the key, 32 bytes, zero-padded to SHA-256's 64-byte block,
         # XOR 0x36 and 0x5c), made once: each seal copies them. A seal is on every appending transaction's path,
         # and hmac's own object costs twice as much per seal in Python calls around the same hashing.
         # sealed_from checks seals with hmac itself.
-        block = _commit_key(keyring.current.secret).ljust(_SHA256_BLOCK, b"\0")
+        block = _commit_key(self._own.secret).ljust(_SHA256_BLOCK, b"\0")
         self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
@@ -176,7 +183,9 @@ class AuditSigner:
             return None
         key_id, _, rest = seal.partition(":")
         first, _, mac = rest.partition(":")
-        key = self.keyring.find(key_id)
+        # Its own seals by the key it seals with, whatever the keyring read since (a file rotated and that key
+        # retired while it ran: every event it appended went unvouched, and nothing of it was signed again).
+        key = self._own if key_id == self._own.id else self.keyring.find(key_id)
         # ASCII digits, as many as a sequence number has: str.isdigit() also passes "²", which int() refuses, and
         # int() refuses more than 4300 digits. Raising here stopped every signing pass, verify and doctor for good.
         if key is None or not (first.isascii() and first.isdigit()) or len(first) > _SEQ_DIGITS:
@@ -186,9 +195,19 @@ class AuditSigner:
         ).hexdigest()
         return int(first) if hmac.compare_digest(expected.encode(), mac.encode("utf-8")) else None
 
+    def unknown_key(self, seal: object) -> str | None:
+        """The key id ``seal`` names when this process holds no such key (its file read again if it changed):
+        another replica's newer keyring, or a forged seal. None: a key it holds, or no key id a seal can name."""
+        if type(seal) is not str:
+            return None
+        key_id = seal.partition(":")[0]
+        if not _SEAL_KEY_ID.fullmatch(key_id) or key_id == self._own.id or self.keyring.find(key_id) is not None:
+            return None
+        return key_id
+
     def sign(self, kind: str, first_seq: int, seq: int, head: str, at: float) -> Checkpoint:
         if self._private is None:
-            self._private = _private_key(self.keyring.current.secret)
+            self._private = _private_key(self._own.secret)
         signature = self._private.sign(message(kind, self.key_id, first_seq, seq, head, at))
         return Checkpoint(kind, first_seq, seq, head, at, self.key_id, _b64(signature))
 

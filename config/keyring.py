@@ -174,8 +174,9 @@ def format_keys(keys: tuple[tuple[str, str], ...], spec: KeySpec) -> str:
 class Keyring:
     """The keys of one purpose as this process holds them: the current one seals, each one verifies.
 
-    A decision sealed by another process with a key this one has not read yet (the file was rotated while it
-    ran) is found by reading the file again once, on that miss.
+    A seal made by another process with a key this one has not read yet (the file was rotated while it ran) is
+    found by reading the file again on that miss, when the file changed since it was last read: a seal naming a
+    key that is nowhere (forged, or retired) costs a ``stat``, not a read of the file, however often it is met.
     """
 
     def __init__(
@@ -188,6 +189,9 @@ class Keyring:
         self.source = source  # "$KAZMA_DECISION_KEY", or the file's path
         self.path = path  # the file read, or None (the variable, or keys given in code)
         self.generated = generated  # made by this call (first start)
+        # The file as it was when last read again (None: not yet; the first miss reads it): a miss reads it only
+        # when this changed. Every forged seal naming a made-up key read and parsed the whole file again.
+        self._read_as: tuple[int, int, int, int] | None = None
 
     @classmethod
     def of(cls, spec: KeySpec, *pairs: tuple[str, str]) -> Keyring:
@@ -215,16 +219,38 @@ class Keyring:
         if self.path is None:
             return None
         try:
-            self._keys = parse_keys(self.path.read_text(encoding="utf-8"), self.spec, source=str(self.path))
-        except (OSError, UnicodeDecodeError, KeyringError) as exc:
+            # Taken before the read: a file replaced between the two is read once more at the next miss, never
+            # taken for read when it was not.
+            seen = _identity(self.path)
+        except OSError as exc:
             log.warning("keyring.reread_failed", purpose=self.spec.purpose, path=str(self.path), error=str(exc))
             return None
-        return next((k for k in self._keys if k.id == key_id), None)
+        if seen == self._read_as:
+            # Nothing changed since it was last read. The keys are looked up again: another thread (the writer's,
+            # the loop) may have read it since this one looked, and it sets what it read before its identity.
+            return next((k for k in self._keys if k.id == key_id), None)
+        try:
+            keys = parse_keys(self.path.read_text(encoding="utf-8"), self.spec, source=str(self.path))
+        except (OSError, UnicodeDecodeError, KeyringError) as exc:
+            log.warning("keyring.reread_failed", purpose=self.spec.purpose, path=str(self.path), error=str(exc))
+            self._read_as = seen  # unusable as it is: read again once it changed
+            return None
+        self._keys = keys
+        self._read_as = seen  # after the keys: whoever finds it unchanged finds them
+        log.info("keyring.reread", purpose=self.spec.purpose, path=str(self.path), keys=list(self.ids), wanted=key_id)
+        return next((k for k in keys if k.id == key_id), None)
 
     def describe(self) -> str:
         """One line for people: where the keys are and which ids, never a secret."""
         older = f"; older, verifying only: {', '.join(self.ids[1:])}" if len(self._keys) > 1 else ""
         return f"{self.source}: current key {self.current.id}{older}"
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """What changes whenever the file is rewritten: rotating and retiring replace it (a new inode), an editor
+    rewrites it (a new modification time or size)."""
+    st = path.stat()
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
 def read_keyring(spec: KeySpec, folder: Path, environ: Mapping[str, str] | None = None) -> Keyring:

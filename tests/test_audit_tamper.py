@@ -472,3 +472,36 @@ def test_every_way_kazma_ends_a_request_leaves_its_ending_event_so_no_cut_is_cla
     result = verify(tmp_path, store_engine)
     assert result.exit_code == 0, result.stdout
     assert doctor(tmp_path, store_engine).startswith("OK")
+
+
+def test_show_says_a_finished_requests_ending_event_is_missing_from_the_log(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """`kazma approvals show` of a request decided after a cut showed its trail without its decision, and an empty
+    trail once the whole log was cut, without saying why."""
+    attacker = Attacker(store_engine)
+    keep = attacker.checkpoints()[0].seq
+    attacker.run(
+        ("DELETE FROM approval_events WHERE seq > ?", (keep,)), ("DELETE FROM audit_checkpoints WHERE seq > ?", (keep,))
+    )
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+
+    def show(request_id: str) -> list[str]:
+        done = CliRunner().invoke(main, ["-c", str(config), "approvals", "show", request_id], env=KEY_ENV)
+        assert done.exit_code == 0, done.output
+        lines = done.stdout.splitlines()
+        return lines[lines.index("audit") + 1 :]
+
+    deploy, late = log.requests["deploy"], log.requests["late"]
+    trail = show(deploy)
+    assert "opened" in trail[0]
+    assert trail[-1] == (
+        f"  MISSING  request {deploy} is approved (sealed) but the audit log has no decided event for it: "
+        f"events after seq {keep} may have been cut (`kazma audit verify`)"
+    )
+    [missing] = show(late)  # opened after the cut: nothing of it is left in the log
+    assert missing.startswith(f"  MISSING  request {late} is timeout (sealed) but the audit log has no timeout event")
+    attacker.run(("DELETE FROM approval_events", ()), ("DELETE FROM audit_checkpoints", ()))
+    [missing] = show(deploy)
+    assert "the audit log is empty" in missing

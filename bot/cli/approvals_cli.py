@@ -18,7 +18,9 @@ from kazma.approvals import (
     UnrenderableArguments,
     build_card,
 )
+from kazma.approvals.audit_verify import UnrecordedRequest
 from kazma.approvals.card import INTEGRITY_WARNING
+from kazma.approvals.chain import DECISION_EVENTS
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest, Status, decider_text
@@ -144,11 +146,18 @@ def show(obj: Context, request_id: str) -> None:
         if sealed is not None:
             lines.append(f"seal       {sealed}")
         lines += [f"sha256     {request.args_hash}", f"arguments  {request.args_json}", "audit"]
-        for event in await service.store.events(request.id):
+        events = await service.store.events(request.id)
+        for event in events:
             who = f" {decider_text(event.person, event.actor)}" if event.actor else ""
             where = f" via {event.platform}" if event.platform else ""
             detail = f"  {event.detail}" if event.detail else ""
             lines.append(f"  {event.at.strftime('%Y-%m-%d %H:%M:%S')}  {event.event}{who}{where}{detail}")
+        # The event written with the row's current state missing (a log cut at a checkpoint): the trail ended, or
+        # was empty, without a word, and read as a request nobody decided (what audit verify names as truncated).
+        recorded = ("opened",) if request.status is Status.PENDING else DECISION_EVENTS
+        if not any(event.event in recorded for event in events):
+            missing = UnrecordedRequest(request.id, request.status.value, request.decision_mac is not None)
+            lines.append(f"  MISSING  {missing.detail(await service.store.last_event_seq())} (`kazma audit verify`)")
         for line in lines:  # each one line: a newline inside a stored text cannot start a line of its own
             click.echo(reveal_line(line))
 
