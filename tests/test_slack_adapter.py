@@ -39,7 +39,7 @@ from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.approvals.model import ApprovalRequest, Decision, Outcome, PressResult, PressVerdict, Status
 from kazma.config.metrics import failure_count
 from kazma.config.models import SlackConfig, SlackHttpConfig
-from tests.fakes.slack import FILE_DOWNLOAD, FakeSlack, StoredMessage
+from tests.fakes.slack import FILE_DOWNLOAD, FakeSlack, SignedResponse, StoredMessage
 
 HOME = "CHOME0001"
 OTHER = "CWORK0002"
@@ -596,20 +596,65 @@ async def test_settling_a_missing_or_foreign_message_is_not_retryable(fake: Fake
 # -- presses ---------------------------------------------------------------------
 
 
-async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
-    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
-) -> None:
+async def _posted_card(adapter: SlackAdapter) -> tuple[ApprovalCard, CardRef]:
     card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
-    recorder.hold.clear()
-    response = await fake.post_block_action(
-        events_url(adapter),
+    return card, await adapter.post_card(card)
+
+
+async def _refuse_the_token_known(fake: FakeSlack, adapter: SlackAdapter) -> None:
+    """Revoke the bot token and let the adapter learn it from a refused send."""
+    fake.revoke(fake.bot_token, "token_revoked")
+    with pytest.raises(PlatformError):
+        await adapter.send_text(HOME, "the refusal, known")
+
+
+def _approve_payload(fake: FakeSlack, card: ApprovalCard, ref: CardRef) -> dict[str, Any]:
+    return fake.block_action_payload(
         action_id=APPROVE_ACTION,
         value=card.button_data(Decision.APPROVE),
         user=ADMIN,
         channel=HOME,
         message_ts=ref.message_id,
     )
+
+
+async def _post_press(fake: FakeSlack, adapter: SlackAdapter, payload: dict[str, Any]) -> SignedResponse:
+    form = urlencode({"payload": json.dumps(payload)})
+    return await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")
+
+
+async def _press_approve(fake: FakeSlack, adapter: SlackAdapter, card: ApprovalCard, ref: CardRef) -> SignedResponse:
+    """ADMIN presses Approve on the posted card."""
+    return await _post_press(fake, adapter, _approve_payload(fake, card, ref))
+
+
+async def _ask_reason_form(
+    fake: FakeSlack, adapter: SlackAdapter, card: ApprovalCard, ref: CardRef, *, user: str
+) -> SignedResponse:
+    return await fake.post_block_action(
+        events_url(adapter),
+        action_id=DENY_REASON_ACTION,
+        value=f"kz1:{card.request_id}:n",
+        user=user,
+        channel=HOME,
+        message_ts=ref.message_id,
+    )
+
+
+async def _told_privately(fake: FakeSlack) -> dict[str, Any]:
+    """The one answer posted to the press's response URL, checked to be an ephemeral that leaves the card."""
+    await fake.wait_for(lambda: len(fake.responses) == 1)
+    said = fake.responses[0]
+    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    return said
+
+
+async def test_press_is_acknowledged_first_then_handed_to_the_approvals_layer(
+    fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
+) -> None:
+    card, ref = await _posted_card(adapter)
+    recorder.hold.clear()
+    response = await _press_approve(fake, adapter, card, ref)
     # Answered while on_press is still held: the ack did not wait for the decision.
     assert response.status == 200
     await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
@@ -824,17 +869,9 @@ async def test_a_bot_token_refused_before_the_first_request_loses_no_press_or_me
     message was answered "Please install this app" and dropped before any listener, uncounted, and Slack still
     "serving". A press is signed with the signing secret: it reaches the decision as before the refusal, and the
     message its agent; Bolt asks Slack nothing of its own."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     fake.revoke(fake.bot_token, "token_revoked")
-    response = await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    response = await _press_approve(fake, adapter, card, ref)
     assert (response.status, response.body) == (200, "")
     await recorder.signal.wait_until(lambda: len(recorder.presses) == 1)
     assert (recorder.presses[0].data, recorder.presses[0].actor) == (f"kz1:{card.request_id}:a", f"slack:{ADMIN}")
@@ -851,23 +888,11 @@ async def test_a_presser_is_told_through_the_response_url_while_slack_refuses_th
     """With the bot token refused a press still decides, but its card is not edited and chat.postEphemeral is
     refused too: the presser saw the buttons stay and heard nothing, whether their press decided or not. The
     press's response URL needs no token: they are told there, and that the card stays as it is."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
-    fake.revoke(fake.bot_token, "token_revoked")
-    with pytest.raises(PlatformError):
-        await adapter.send_text(HOME, "the refusal, known")
+    card, ref = await _posted_card(adapter)
+    await _refuse_the_token_known(fake, adapter)
     recorder.press_result = PressResult(verdict, f"{verdict.value} <here>", request_id=card.request_id)
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
-    await fake.wait_for(lambda: len(fake.responses) == 1)
-    said = fake.responses[0]
-    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    await _press_approve(fake, adapter, card, ref)
+    said = await _told_privately(fake)
     assert said["text"] == f"{verdict.value} &lt;here&gt; {slack_adapter.CARD_NOT_EDITED}"
     assert fake.calls_to("chat.postEphemeral") == []  # refused at once, not asked
 
@@ -908,21 +933,11 @@ async def test_a_press_reply_through_the_response_url_goes_through_the_configure
         for name in ("NO_PROXY", "no_proxy"):  # the fake's API straight; its other name through the proxy
             monkeypatch.setenv(name, "127.0.0.1")
         adapter = await start_adapter()
-        card = make_card({"x": 1})
-        ref = await adapter.post_card(card)
-        fake.revoke(fake.bot_token, "token_revoked")
-        with pytest.raises(PlatformError):
-            await adapter.send_text(HOME, "the refusal, known")
-        payload = fake.block_action_payload(
-            action_id=APPROVE_ACTION,
-            value=card.button_data(Decision.APPROVE),
-            user=ADMIN,
-            channel=HOME,
-            message_ts=ref.message_id,
-        )
+        card, ref = await _posted_card(adapter)
+        await _refuse_the_token_known(fake, adapter)
+        payload = _approve_payload(fake, card, ref)
         payload["response_url"] = str(payload["response_url"]).replace("127.0.0.1", "localhost")
-        form = urlencode({"payload": json.dumps(payload)})
-        assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+        assert (await _post_press(fake, adapter, payload)).status == 200
         await fake.wait_for(lambda: len(fake.responses) == 1)
         assert asked == [payload["response_url"]]
 
@@ -934,21 +949,11 @@ async def test_the_first_press_after_the_bot_token_is_revoked_is_told_through_th
     """The first press after a revocation: Kazma does not know yet that the token is refused, so the press's notice
     went to chat.postEphemeral, whose refusal is what revealed it, and the presser heard nothing. Told now through
     the press's response URL as soon as that refusal is seen."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     fake.revoke(fake.bot_token, "token_revoked")
     recorder.press_result = PressResult(verdict, "Not yours <here>.", request_id=card.request_id)
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
-    await fake.wait_for(lambda: len(fake.responses) == 1)
-    said = fake.responses[0]
-    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    await _press_approve(fake, adapter, card, ref)
+    said = await _told_privately(fake)
     assert said["text"] == f"Not yours &lt;here&gt;. {slack_adapter.CARD_NOT_EDITED}"
     assert [c.error for c in fake.calls_to("chat.postEphemeral")] == ["token_revoked"]  # what revealed it
     assert adapter.setup_refused is not None
@@ -960,25 +965,15 @@ async def test_the_winner_of_the_first_press_after_a_revocation_is_told_when_the
     """The winner's answer is the card edit. The first press after a revocation decided while Kazma did not know the
     token was refused; the edit after it was refused (which revealed it): the card kept its buttons and the winner
     heard nothing. The winner waiting on that edit is told through the press's response URL once it is refused."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     fake.revoke(fake.bot_token, "token_revoked")
     recorder.press_result = PressResult(PressVerdict.WON, "Approved <now>.", request_id=card.request_id)
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    await _press_approve(fake, adapter, card, ref)
     await logs.wait_for("platform.press_result")  # answered: the winner waits on the card edit
     assert fake.responses == []
     with pytest.raises(PlatformError):
         await adapter.settle_card(ref, card, outcome_for(card))
-    await fake.wait_for(lambda: len(fake.responses) == 1)
-    said = fake.responses[0]
-    assert (said["response_type"], said["replace_original"]) == ("ephemeral", False)
+    said = await _told_privately(fake)
     assert said["text"] == f"Approved &lt;now&gt;. {slack_adapter.CARD_NOT_EDITED}"
     with pytest.raises(PlatformError):  # told once: a second refusal tells nobody again
         await adapter.settle_card(ref, card, outcome_for(card))
@@ -990,35 +985,18 @@ async def test_the_winner_whose_card_was_edited_is_not_told_of_a_later_refusal(
     fake: FakeSlack, adapter: SlackAdapter, recorder: Recorder, logs: LogWatch
 ) -> None:
     """A winner whose card was edited heard their answer there: a refusal of the token later tells them nothing."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     recorder.press_result = PressResult(PressVerdict.WON, "Approved.", request_id=card.request_id)
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    await _press_approve(fake, adapter, card, ref)
     await logs.wait_for("platform.press_result")
     await adapter.settle_card(ref, card, outcome_for(card))
-    fake.revoke(fake.bot_token, "token_revoked")
-    with pytest.raises(PlatformError):
-        await adapter.send_text(HOME, "the refusal, known")
+    await _refuse_the_token_known(fake, adapter)
     await adapter.stop()
     assert fake.responses == []
 
 
 async def _reason_view(fake: FakeSlack, adapter: SlackAdapter, card: ApprovalCard, ref: CardRef) -> dict[str, Any]:
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=DENY_REASON_ACTION,
-        value=f"kz1:{card.request_id}:n",
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    await _ask_reason_form(fake, adapter, card, ref, user=ADMIN)
     await fake.wait_for(lambda: len(fake.views) == 1)
     return fake.views[0]
 
@@ -1030,12 +1008,9 @@ async def test_a_reason_submitted_while_slack_refuses_the_bot_token_is_answered_
     """A view submission carries no response URL, and with the bot token refused the card is not edited and
     chat.postEphemeral is refused: the modal closed and the presser heard nothing of their Deny. The ack of the
     submission needs no token: the modal is replaced with what their Deny did."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     view = await _reason_view(fake, adapter, card, ref)
-    fake.revoke(fake.bot_token, "token_revoked")
-    with pytest.raises(PlatformError):
-        await adapter.send_text(HOME, "the refusal, known")
+    await _refuse_the_token_known(fake, adapter)
     recorder.press_result = PressResult(verdict, f"{verdict.value} <here>", request_id=card.request_id)
     answered = await fake.post_view_submission(
         events_url(adapter), view=view, user=ADMIN, values={"kazma_reason": {"reason": "no"}}
@@ -1057,19 +1032,9 @@ async def test_deny_with_reason_while_slack_refuses_the_bot_token_says_the_form_
     """ "Deny with reason" opens a modal with views.open, which the refused bot token cannot: the listener failed
     with the refusal and the presser saw nothing happen. They are told through the press's response URL that the
     form cannot open and to press Deny; nothing is decided."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
-    fake.revoke(fake.bot_token, "token_revoked")
-    with pytest.raises(PlatformError):
-        await adapter.send_text(HOME, "the refusal, known")
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=DENY_REASON_ACTION,
-        value=f"kz1:{card.request_id}:n",
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    card, ref = await _posted_card(adapter)
+    await _refuse_the_token_known(fake, adapter)
+    await _ask_reason_form(fake, adapter, card, ref, user=ADMIN)
     await fake.wait_for(lambda: len(fake.responses) == 1)
     assert fake.responses[0]["response_type"] == "ephemeral"
     assert fake.responses[0]["text"] == slack_adapter.REASON_FORM_REFUSED
@@ -1082,34 +1047,17 @@ async def test_a_press_reply_slack_does_not_take_counts_once(
     """The kit counts a failed call at its site (press_reply), and the press policy counted the same failure again
     when the reply failed: a press whose response URL answered 404, or whose chat.postEphemeral Slack refused, read
     as 2 on kazma_failures_total{site="press_reply",platform="slack"}. Once each now."""
-    card = make_card({"x": 1})
-    ref = await adapter.post_card(card)
+    card, ref = await _posted_card(adapter)
     recorder.press_result = PressResult(PressVerdict.LOST, "Decided already.", request_id=card.request_id)
     fake.fail("chat.postEphemeral", "error", error="user_not_in_channel")
     before = failure_count("press_reply", "slack")
-    await fake.post_block_action(
-        events_url(adapter),
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    await _press_approve(fake, adapter, card, ref)
     await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 1)
     assert [c.error for c in fake.calls_to("chat.postEphemeral")] == ["user_not_in_channel"]
-    fake.revoke(fake.bot_token, "token_revoked")
-    with pytest.raises(PlatformError):
-        await adapter.send_text(HOME, "the refusal, known")
-    payload = fake.block_action_payload(
-        action_id=APPROVE_ACTION,
-        value=card.button_data(Decision.APPROVE),
-        user=ADMIN,
-        channel=HOME,
-        message_ts=ref.message_id,
-    )
+    await _refuse_the_token_known(fake, adapter)
+    payload = _approve_payload(fake, card, ref)
     payload["response_url"] = f"{fake.url}/respond-gone"  # expired: Slack answers 404
-    form = urlencode({"payload": json.dumps(payload)})
-    assert (await fake.post_signed(events_url(adapter), form, "application/x-www-form-urlencoded")).status == 200
+    assert (await _post_press(fake, adapter, payload)).status == 200
     await logs.signal.wait_until(lambda: len(logs.matching("platform.press_reply_failed")) == 2)
     assert len(recorder.presses) == 2
     assert failure_count("press_reply", "slack") == before + 2
@@ -1128,19 +1076,9 @@ async def test_an_unserved_deny_with_reason_while_slack_refuses_the_bot_token_is
     adapter = SlackAdapter(slack_config(fake), request_timeout=1)
     await adapter.start(Handlers(on_inbound=recorder.on_inbound, on_press=recorder.on_press, may_decide=may_decide))
     try:
-        card = make_card({"x": 1})
-        ref = await adapter.post_card(card)
-        fake.revoke(fake.bot_token, "token_revoked")
-        with pytest.raises(PlatformError):
-            await adapter.send_text(HOME, "the refusal, known")
-        await fake.post_block_action(
-            events_url(adapter),
-            action_id=DENY_REASON_ACTION,
-            value=f"kz1:{card.request_id}:n",
-            user=PERSON,
-            channel=HOME,
-            message_ts=ref.message_id,
-        )
+        card, ref = await _posted_card(adapter)
+        await _refuse_the_token_known(fake, adapter)
+        await _ask_reason_form(fake, adapter, card, ref, user=PERSON)
         await fake.wait_for(lambda: len(fake.responses) == 1)
         assert fake.responses[0]["response_type"] == "ephemeral"
         assert fake.responses[0]["text"].startswith(escape(NOT_YOURS))
