@@ -66,6 +66,31 @@ def _write(export: Path, records: list[dict[str, object]]) -> None:
     export.write_text("".join(json.dumps(record) + "\n" for record in records))
 
 
+def _doctors_audit_chain_line(config: Path) -> str:
+    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
+    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
+    return line
+
+
+def _two_appended_the_first_rewritten_then_signed(sqlite: Engine, assignment: str, seq: int) -> Judged:
+    """Two requests opened, the row at `seq` rewritten by an attacker with the SQL `assignment`, then a signing
+    pass by a process that did not append them (it reads them back)."""
+
+    async def appended() -> None:
+        async with approval_service(sqlite.where) as service:
+            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
+            await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
+
+    async def signed() -> Judged:
+        async with approval_service(sqlite.where) as service:
+            return await Checkpointer(service.store, TEST_SIGNER).sign()
+
+    run_async(appended())
+    Attacker(sqlite).run((f"UPDATE approval_events SET {assignment} WHERE seq = ?", (seq,)))  # noqa: S608
+    judged: Judged = run_async(signed())
+    return judged
+
+
 def test_an_export_cut_at_its_front_is_a_slice_and_passes_only_where_a_slice_is_expected(
     tmp_path: Path, config: Path, log: Log
 ) -> None:
@@ -186,8 +211,7 @@ def test_a_row_whose_text_is_not_utf8_is_named_at_its_sequence_by_verify_export_
     done = verify_export(export, public)
     assert done.exit_code == 1, done.output
     assert f"FAILED: first bad sequence seq {seq}: changed" in done.output, done.output
-    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
-    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
+    line = _doctors_audit_chain_line(config)
     assert line.startswith("FAIL"), line
     assert f"first bad sequence seq {seq}: changed" in line, line
 
@@ -200,26 +224,13 @@ def test_a_row_kazma_never_writes_in_the_unsigned_tail_stops_neither_the_checkpo
     Kazma's own from forged rows): one holding bytes, or a text not UTF-8, raised there. Signing stopped for good
     (every later decision unsigned), verify ended in a traceback, doctor said "cannot read the audit log"."""
     seq = log.last + 1
-
-    async def appended() -> None:
-        async with approval_service(sqlite.where) as service:
-            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
-            await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
-
-    async def signed() -> Judged:  # a process that did not append them reads them back
-        async with approval_service(sqlite.where) as service:
-            return await Checkpointer(service.store, TEST_SIGNER).sign()
-
-    run_async(appended())
-    Attacker(sqlite).run((f"UPDATE approval_events SET detail = {written} WHERE seq = ?", (seq,)))  # noqa: S608
-    judged: Judged = run_async(signed())
+    judged = _two_appended_the_first_rewritten_then_signed(sqlite, f"detail = {written}", seq)
     assert seq in judged.unvouched
     done = kazma("-c", str(config), "audit", "verify")
     assert done.exit_code == 1, done.output
     assert isinstance(done.exception, SystemExit), done.exception
     assert f"FAILED: first bad sequence seq {seq}: changed: it holds what Kazma never writes" in done.output
-    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
-    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
+    line = _doctors_audit_chain_line(config)
     assert f"first bad sequence seq {seq}: changed" in line, line
 
 
@@ -236,24 +247,11 @@ def test_a_commit_seal_kazma_never_writes_in_the_unsigned_tail_stops_neither_the
     as bytes). Signing stopped for good,
     verify ended in a traceback, doctor said "cannot read the audit log"."""
     seq = log.last + 1
-
-    async def appended() -> None:
-        async with approval_service(sqlite.where) as service:
-            await service.open("shell", {"command": "uptime"}, "agent:builder", "telegram:-100")
-            await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
-
-    async def signed() -> Judged:  # a process that did not append them reads them back
-        async with approval_service(sqlite.where) as service:
-            return await Checkpointer(service.store, TEST_SIGNER).sign()
-
-    run_async(appended())
-    Attacker(sqlite).run((f"UPDATE approval_events SET commit_seal = {seal} WHERE seq = ?", (seq,)))  # noqa: S608
-    judged: Judged = run_async(signed())
+    judged = _two_appended_the_first_rewritten_then_signed(sqlite, f"commit_seal = {seal}", seq)
     assert judged.unvouched == [seq]  # never signed; Kazma's own commit after it is
     assert [(c.first_seq, c.seq) for c in judged.signed] == [(seq + 1, seq + 1)]
     done = kazma("-c", str(config), "audit", "verify")
     assert isinstance(done.exception, SystemExit), done.exception
     assert f"FAILED: first bad sequence seq {seq}: unsigned" in done.output, done.output
-    doctor = kazma("-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1")
-    [line] = [text for text in doctor.output.splitlines() if "audit chain" in text]
+    line = _doctors_audit_chain_line(config)
     assert f"first bad sequence seq {seq}: unsigned" in line, line
