@@ -347,11 +347,7 @@ async def test_a_new_leader_opening_its_gateway_says_opening_not_closed_on_every
     "not open (it closed)" although it was being opened, and once the opening had begun, "serving" although no
     interaction could arrive before READY. The gateway is held here while the new leader opens it: every replica
     says "opening", counted down as a connection not open is, and "open" once it is."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
-    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
-    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
-    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
     monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
     name = leader.LeaderLease.APPLICATION_PREFIX + "x"
     async with three_fakes() as fakes:
@@ -429,17 +425,20 @@ def test_an_opening_connection_the_leader_recorded_counts_as_down_for_the_503_ru
     assert health == bus.PlatformHealth("discord", False, "leader b: inbound connection opening since 00:00:01 UTC")
 
 
-async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_itself(
-    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Between taking the lease and starting the leader's duties (held here by the leader.takeover failpoint) the
-    leader read its own platforms as a follower does, and said "inbound state unknown: the leader's record could
-    not be read" of the record it was about to write itself."""
+def _keys_timing_and_quick_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, timing: LeaseTiming) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
     monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
-    monkeypatch.setattr(leader, "LeaseTiming", lambda: FAST)
+    monkeypatch.setattr(leader, "LeaseTiming", lambda: timing)
     monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
+
+
+@contextlib.asynccontextmanager
+async def _replica_a_while_x_holds_the_lock(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[psycopg.AsyncConnection[Any], Replication, str]]:
+    """Replica a, served, started while a connection "x" holds the leader's lock: yields x, a's replication and
+    a's URL; x unlocks when the test is ready for a to lead."""
     name = leader.LeaderLease.APPLICATION_PREFIX + "x"
     async with (
         three_fakes() as fakes,
@@ -449,17 +448,28 @@ async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_
         async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a, served(a, tmp_path / "a") as url:
             replication = a.replication
             assert replication is not None
-            failpoints.arm_for_test("leader.takeover=hang")  # the lease is taken, the duties wait
-            try:
-                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
-                await until(lambda: _true(replication.is_leader))
-                status, lines = await healthz(url)
-            finally:
-                failpoints.disarm()
-            assert "replica a: leader" in lines
-            for platform in ("telegram", "discord"):
-                assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
-            assert (status, lines[0]) == (200, "ok"), lines  # Slack, served by every replica, takes presses
+            yield x, replication, url
+
+
+async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_itself(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between taking the lease and starting the leader's duties (held here by the leader.takeover failpoint) the
+    leader read its own platforms as a follower does, and said "inbound state unknown: the leader's record could
+    not be read" of the record it was about to write itself."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    async with _replica_a_while_x_holds_the_lock(tmp_path, pg_dsn, monkeypatch) as (x, replication, url):
+        failpoints.arm_for_test("leader.takeover=hang")  # the lease is taken, the duties wait
+        try:
+            await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+            await until(lambda: _true(replication.is_leader))
+            status, lines = await healthz(url)
+        finally:
+            failpoints.disarm()
+        assert "replica a: leader" in lines
+        for platform in ("telegram", "discord"):
+            assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
+        assert (status, lines[0]) == (200, "ok"), lines  # Slack, served by every replica, takes presses
 
 
 async def test_a_replica_holding_the_lock_while_it_waits_out_the_grace_does_not_say_it_serves_through_itself(
@@ -470,29 +480,17 @@ async def test_a_replica_holding_the_lock_while_it_waits_out_the_grace_does_not_
     earlier release and said "serving through the leader (a), which records no inbound state" of Telegram's
     polling and Discord's gateway, which nobody had open. It now says it took the lease and is about to open
     them, as once its duties start."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KAZMA_DECISION_KEY", "k1:" + "d" * 40)
-    monkeypatch.setenv("KAZMA_AUDIT_KEY", AUDIT_KEY)
     # A grace long enough to look inside it: the lock is taken, the lease not yet declared.
     slow = LeaseTiming(check_interval=30.0, check_timeout=0.3, retry_interval=0.1, server_drop_after=60.0)
-    monkeypatch.setattr(leader, "LeaseTiming", lambda: slow)
-    monkeypatch.setattr(bus, "START_RETRY", Backoff(base=0.05, cap=0.05, jitter=False))
-    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
-    async with (
-        three_fakes() as fakes,
-        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x,
-    ):
-        await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
-        async with replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a, served(a, tmp_path / "a") as url:
-            replication = a.replication
-            assert replication is not None
-            await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, slow)
+    async with _replica_a_while_x_holds_the_lock(tmp_path, pg_dsn, monkeypatch) as (x, replication, url):
+        await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
 
-            async def lock_taken() -> bool:
-                return "lease held by a" in (await healthz(url))[1]
+        async def lock_taken() -> bool:
+            return "lease held by a" in (await healthz(url))[1]
 
-            await until(lock_taken)
-            _, lines = await healthz(url)
-            assert not replication.is_leader  # still waiting out the grace
-            for platform in ("telegram", "discord"):
-                assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
+        await until(lock_taken)
+        _, lines = await healthz(url)
+        assert not replication.is_leader  # still waiting out the grace
+        for platform in ("telegram", "discord"):
+            assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
