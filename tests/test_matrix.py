@@ -486,17 +486,24 @@ async def test_deny_with_a_reason_is_asked_then_taken_from_the_pressers_reply(ha
     )
 
 
-async def test_a_reply_to_a_reason_prompt_without_words_decides_nothing_and_the_prompt_stands(
-    harness: MatrixHarness,
-) -> None:
-    """A picture alone in reply to the prompt denied the request with the reason "shot.png" (its file name), and a
-    reply of blanks denied it with none: a reason is words, as on Telegram; the prompt stands for them."""
+async def _reason_prompted(harness: MatrixHarness) -> tuple[PlatformBase, ApprovalCard, CardRef, str]:
+    """A card and its reason prompt (the admin's 💬): the adapter running, the card, where it is and the prompt's
+    event id."""
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})
     ref = await adapter.post_card(card)
     await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
     await harness.wait_for_notices(harness.admin, 1)
     [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+    return adapter, card, ref, prompt
+
+
+async def test_a_reply_to_a_reason_prompt_without_words_decides_nothing_and_the_prompt_stands(
+    harness: MatrixHarness,
+) -> None:
+    """A picture alone in reply to the prompt denied the request with the reason "shot.png" (its file name), and a
+    reply of blanks denied it with none: a reason is words, as on Telegram; the prompt stands for them."""
+    _, card, _, prompt = await _reason_prompted(harness)
     admin = harness.people[harness.admin]
     relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
     mxc = await asyncio.to_thread(admin.upload, "shot.png", b"\x89PNG not really")
@@ -547,17 +554,18 @@ async def test_deny_with_a_reason_from_someone_whose_press_would_not_count_asks_
     assert harness.recorder.presses == []
 
 
-async def _reason_prompted_then_restarted(harness: MatrixHarness) -> tuple[ApprovalCard, CardRef, str, PlatformBase]:
-    """A card, its reason prompt (the admin's 💬) and the adapter restarted: the card, where it is, the prompt's
-    event id and the adapter now running."""
-    adapter = await harness.start()
-    card = make_card({"path": "/tmp/x"})
-    ref = await adapter.post_card(card)
-    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
-    await harness.wait_for_notices(harness.admin, 1)
-    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
+async def _reason_prompted_then_stopped(harness: MatrixHarness) -> tuple[ApprovalCard, CardRef, str]:
+    """A card, its reason prompt (the admin's 💬) and the adapter stopped: the card, where it is and the prompt's
+    event id."""
+    adapter, card, ref, prompt = await _reason_prompted(harness)
     await adapter.quiesce()
     await adapter.stop()
+    return card, ref, prompt
+
+
+async def _reason_prompted_then_restarted(harness: MatrixHarness) -> tuple[ApprovalCard, CardRef, str, PlatformBase]:
+    """As _reason_prompted_then_stopped, and the adapter started again: also the adapter now running."""
+    card, ref, prompt = await _reason_prompted_then_stopped(harness)
     return card, ref, prompt, await harness.start()
 
 
@@ -611,14 +619,7 @@ async def test_a_reason_given_in_time_but_read_after_the_window_is_the_reason(
     """The reply is read from the kept sync position, perhaps long after it was sent (Kazma restarted, the
     homeserver was away, the sync waited on a slow press). Judged by when it was read, the presser's reason given
     within the window was refused "expired", and the request stayed pending."""
-    adapter = await harness.start()
-    card = make_card({"path": "/tmp/x"})
-    ref = await adapter.post_card(card)
-    await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "💬")
-    await harness.wait_for_notices(harness.admin, 1)
-    [prompt] = [e["event_id"] for e in harness._bot_events(harness.home) if e["content"].get("msgtype") == "m.notice"]
-    await adapter.quiesce()
-    await adapter.stop()
+    card, _, prompt = await _reason_prompted_then_stopped(harness)
     relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
     await asyncio.to_thread(harness.people[harness.admin].say, harness.home, "it drops the prod table", **relates)
     # back long after the window (its clock, from its start): the reply waited for it on the homeserver
