@@ -15,6 +15,7 @@ from kazma.adapters.bus import REPOSTED, FanOutBus
 from kazma.adapters.outbox import Outbox
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals import Decision
+from kazma.approvals.model import ApprovalRequest
 from kazma.bot.app import App
 from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
@@ -287,6 +288,24 @@ async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_k
         assert order == ["chat.update", "chat.postMessage", "chat.postMessage"]
 
 
+def _unpace_telegram(app: App, monkeypatch: pytest.MonkeyPatch) -> FanOutBus:
+    """Telegram's group pacing off (it would make each round seconds long); the bus, known a FanOutBus."""
+    assert isinstance(app.bus, FanOutBus)
+    telegram = app.bus.adapters["telegram"]
+    assert isinstance(telegram, TelegramAdapter)
+    pacing = telegram.pacing.limiter
+    monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
+    monkeypatch.setattr(pacing, "per_window", None)
+    return app.bus
+
+
+async def _four_opened(app: App) -> list[ApprovalRequest]:
+    return [
+        await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
+        for n in range(4)
+    ]
+
+
 async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_untried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -296,21 +315,13 @@ async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_unt
     refused; the other posts due then wait the same longest backoff, untried, saying why."""
     monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
-        assert isinstance(app.bus, FanOutBus)
-        telegram = app.bus.adapters["telegram"]
-        assert isinstance(telegram, TelegramAdapter)
-        pacing = telegram.pacing.limiter
-        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
-        monkeypatch.setattr(pacing, "per_window", None)
+        bus_of_app = _unpace_telegram(app, monkeypatch)
         fakes.telegram.token = "revoked-at-botfather"
-        requests = [
-            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
-            for n in range(4)
-        ]
+        requests = await _four_opened(app)
         for request in requests:
             await _kept(app, request.id, "telegram")
         tried = len(fakes.telegram.calls_to("sendMessage"))
-        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await bus_of_app._due_now(["telegram"])  # all four due at once, as their backoffs ending together
         await _worker_rounds(app, "telegram", monkeypatch, 3)
         assert len(fakes.telegram.calls_to("sendMessage")) - tried == 1  # four, before: one per waiting card
         pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
@@ -326,16 +337,8 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
     holds the other decided cards' edits by the same wait, untried."""
     monkeypatch.setattr(bus, "RETRY", Backoff(base=1000, cap=1000, jitter=False))  # nothing falls due by itself
     async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
-        assert isinstance(app.bus, FanOutBus)
-        telegram = app.bus.adapters["telegram"]
-        assert isinstance(telegram, TelegramAdapter)
-        pacing = telegram.pacing.limiter
-        monkeypatch.setattr(pacing, "min_interval", 0.0)  # the group's pacing would make each round seconds long
-        monkeypatch.setattr(pacing, "per_window", None)
-        requests = [
-            await app.service.open("shell", {"command": f"make {n}"}, "agent:builder", "telegram:-1001", durable=True)
-            for n in range(4)
-        ]
+        bus_of_app = _unpace_telegram(app, monkeypatch)
+        requests = await _four_opened(app)
 
         async def everywhere() -> bool:
             return all([len(await app.service.store.cards(r.id)) == 3 for r in requests])
@@ -353,7 +356,7 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
 
         await _until(each_failed)
         tried = len(fakes.telegram.calls_to("editMessageText"))
-        await app.bus._due_now(["telegram"])  # all four due at once, as their backoffs ending together
+        await bus_of_app._due_now(["telegram"])  # all four due at once, as their backoffs ending together
         await _worker_rounds(app, "telegram", monkeypatch, 3)  # a scan every poll interval (0.05 s here)
         assert len(fakes.telegram.calls_to("editMessageText")) - tried == 1  # four, before: one per decided card
         unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
