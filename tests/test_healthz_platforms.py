@@ -26,7 +26,7 @@ from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from tests.fakes.slack import FAKE_APP_TOKEN
 from tests.fakes.telegram import Fault
-from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, kazma_on, three_fakes
+from tests.platforms_support import SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, kazma_on, three_fakes
 
 
 @contextlib.asynccontextmanager
@@ -324,6 +324,21 @@ async def test_slack_refusing_the_bot_token_is_said_once_presses_still_decide_an
                     await asyncio.sleep(0.02)
 
 
+def _socket_mode(text: str) -> str:
+    return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
+
+
+async def _socket_open_then_the_bot_token_refused(fakes: Fakes, app: App) -> SlackAdapter:
+    """Slack's socket open; then the bot token revoked, and the refusal known from a send Slack refused."""
+    slack = app.bus.adapters["slack"]
+    assert isinstance(slack, SlackAdapter)
+    await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
+    fakes.slack.revoke(fakes.slack.bot_token)
+    with pytest.raises(PlatformError):
+        await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+    return slack
+
+
 async def test_slack_s_socket_is_opened_again_while_the_bot_token_is_refused_and_its_presses_still_decide(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,21 +348,12 @@ async def test_slack_s_socket_is_opened_again_while_the_bot_token_is_refused_and
     never opened again: no press came in until a restart. Now it is opened again, and /healthz says the presses
     decide."""
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
-
-    def socket_mode(text: str) -> str:
-        return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
-
     async with (
         three_fakes() as fakes,
-        kazma_on(fakes, tmp_path / "k.db", edit=socket_mode) as app,
+        kazma_on(fakes, tmp_path / "k.db", edit=_socket_mode) as app,
         served(app, tmp_path) as url,
     ):
-        slack = app.bus.adapters["slack"]
-        assert isinstance(slack, SlackAdapter)
-        await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
-        fakes.slack.revoke(fakes.slack.bot_token)
-        with pytest.raises(PlatformError):
-            await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+        slack = await _socket_open_then_the_bot_token_refused(fakes, app)
         opened = len(fakes.slack.calls_to("apps.connections.open"))
         await slack.stop_ingress()  # as after an opening that failed when this replica took the lead
         await until(lambda: len(fakes.slack.calls_to("apps.connections.open")) > opened and slack.ingress_running)
@@ -363,17 +369,8 @@ async def test_slack_s_socket_opened_again_while_the_bot_token_is_refused_says_o
     but the "opening" mark left out every platform that refused Kazma's setup: while the socket was being opened,
     /healthz said it was not open, as of a socket nothing was opening."""
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 0.05)
-
-    def socket_mode(text: str) -> str:
-        return text.replace("    http: {port: 0}\n", f"    http: {{port: 0}}\n    app_token: '{FAKE_APP_TOKEN}'\n")
-
-    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", edit=socket_mode) as app:
-        slack = app.bus.adapters["slack"]
-        assert isinstance(slack, SlackAdapter)
-        await until(lambda: fakes.slack.socket_connected and slack.ingress_running)
-        fakes.slack.revoke(fakes.slack.bot_token)
-        with pytest.raises(PlatformError):
-            await slack.send_text(SLACK_CHANNEL, "the refusal, known")
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db", edit=_socket_mode) as app:
+        slack = await _socket_open_then_the_bot_token_refused(fakes, app)
         opened = len(fakes.slack.calls_to("apps.connections.open"))
         fakes.slack.fail("apps.connections.open", "hang")
         await slack.stop_ingress()  # as after an opening that failed when this replica took the lead
