@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from kazma.approvals.model import Status
-from tests.test_web_server import OPERATOR, console
+from tests.test_web_server import OPERATOR, Console, console
 
 APPROVERS = (
     "['web:alice', 'web:bob'], policies: {steps: {approve: 2, approvers: ['web:alice', 'web:bob'], step_up: true}}"
@@ -34,6 +34,22 @@ async def _approve(
         return answer.status, await answer.text()
 
 
+async def _answered(
+    expected: int, client: aiohttp.ClientSession, base: str, request_id: str, csrf: str, signed: dict[str, Any]
+) -> str:
+    """The step-up answer's text, its status checked to be `expected`."""
+    status, said = await _approve(client, base, request_id, csrf, signed)
+    assert status == expected, said
+    return said
+
+
+async def _fresh_assertion(
+    con: Console, person: str, client: aiohttp.ClientSession, request_id: str, csrf: str
+) -> dict[str, Any]:
+    """`person`'s passkey answering a challenge asked for `request_id` in `client`'s session."""
+    return con.passkeys[person].get(await _options(client, con.base, request_id, csrf), con.base)
+
+
 async def test_only_two_peoples_fresh_assertions_approve_a_step_up_call(tmp_path: Path) -> None:
     async with console(tmp_path, approvers=APPROVERS) as con, con.client() as alice, con.client() as bob:
         alice_csrf = await con.login(alice, "alice", OPERATOR)
@@ -42,37 +58,33 @@ async def test_only_two_peoples_fresh_assertions_approve_a_step_up_call(tmp_path
         target = await service.open("deploy", {"env": "prod"}, "agent:builder", "web:console", policy="steps")
         other = await service.open("deploy", {"env": "dev"}, "agent:builder", "web:console", policy="steps")
 
-        signed = con.passkeys["alice"].get(await _options(alice, base, target.id, alice_csrf), base)
-        status, said = await _approve(alice, base, target.id, alice_csrf, signed)
-        assert status == 200, said
+        signed = await _fresh_assertion(con, "alice", alice, target.id, alice_csrf)
+        said = await _answered(200, alice, base, target.id, alice_csrf, signed)
         assert "1 of 2 approvals: alice on the web" in said, said
         # the same answer again: its challenge was used up
         assert (await _approve(alice, base, target.id, alice_csrf, signed))[0] == 409
         # a fresh assertion by alice again: one person counts once
-        signed = con.passkeys["alice"].get(await _options(alice, base, target.id, alice_csrf), base)
-        status, said = await _approve(alice, base, target.id, alice_csrf, signed)
-        assert status == 200, said
+        signed = await _fresh_assertion(con, "alice", alice, target.id, alice_csrf)
+        said = await _answered(200, alice, base, target.id, alice_csrf, signed)
         assert "one person counts once" in said, said
         # bob answers a challenge made for the other request, on this one
-        signed = con.passkeys["bob"].get(await _options(bob, base, other.id, bob_csrf), base)
+        signed = await _fresh_assertion(con, "bob", bob, other.id, bob_csrf)
         assert (await _approve(bob, base, target.id, bob_csrf, signed))[0] == 409
         # bob's session, his challenge, alice's passkey
         options = await _options(bob, base, target.id, bob_csrf)
         signed = con.passkeys["alice"].get({**options, "allowCredentials": []}, base)
-        status, said = await _approve(bob, base, target.id, bob_csrf, signed)
-        assert status == 401, said
+        said = await _answered(401, bob, base, target.id, bob_csrf, signed)
         assert "not one of bob's" in said, said
         # bob approves the other request (his counter is kept), then a copy of his passkey answers with an old one
-        signed = con.passkeys["bob"].get(await _options(bob, base, other.id, bob_csrf), base)
+        signed = await _fresh_assertion(con, "bob", bob, other.id, bob_csrf)
         assert (await _approve(bob, base, other.id, bob_csrf, signed))[0] == 200
         options = await _options(bob, base, target.id, bob_csrf)
         con.passkeys["bob"].credentials[-1].sign_count = 0
-        status, said = await _approve(bob, base, target.id, bob_csrf, con.passkeys["bob"].get(options, base))
-        assert status == 401, said
+        said = await _answered(401, bob, base, target.id, bob_csrf, con.passkeys["bob"].get(options, base))
         assert "sign count" in said, said
         # his passkey revoked between the challenge and the answer
         con.passkeys["bob"].credentials[-1].sign_count = 50
-        signed = con.passkeys["bob"].get(await _options(bob, base, target.id, bob_csrf), base)
+        signed = await _fresh_assertion(con, "bob", bob, target.id, bob_csrf)
         signin = con.server.signin
         assert signin is not None
         assert await signin.accounts.revoke(person="bob", credential_id=None, by="cli:test")
