@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar, Unpack
 from urllib.parse import urlsplit
@@ -419,7 +420,7 @@ class SlackAdapter(PlatformBase):
         self._token_refused: str | None = None
         # Winners of a press waiting on their card's edit (channel, ts) -> (response URL, answer, since), or None
         # once the card was edited: told if Slack refuses the token first (see _wait_for_edit). Oldest first.
-        self._edit_waiters: dict[tuple[str, str], tuple[str, str, float] | None] = {}
+        self._edit_waiters: OrderedDict[tuple[str, str], tuple[str, str, float] | None] = OrderedDict()
         # The same for the app-level token (Socket Mode's): inbound only, so the bot token still posts.
         self._app_token_refused: str | None = None
         self._register()
@@ -464,17 +465,17 @@ class SlackAdapter(PlatformBase):
         key = (chat, ts)
         if key in self._edit_waiters and self._edit_waiters[key] is None:
             return  # edited already: they saw it
-        self._edit_waiters.pop(key, None)
-        self._edit_waiters[key] = (response_url, text, self._clock())
-        while len(self._edit_waiters) > EDIT_WAITERS_KEPT:
-            del self._edit_waiters[next(iter(self._edit_waiters))]
+        self._keep_edit_waiter(key, (response_url, text, self._clock()))
 
     def _card_edited(self, chat: str, ts: str) -> None:
-        key = (chat, ts)
-        self._edit_waiters.pop(key, None)
-        self._edit_waiters[key] = None  # a press answered after this edit needs no word later
+        self._keep_edit_waiter((chat, ts), None)  # a press answered after this edit needs no word later
+
+    def _keep_edit_waiter(self, key: tuple[str, str], waiter: tuple[str, str, float] | None) -> None:
+        """``key``'s waiter (None: its card was edited) as the newest, the oldest forgotten past EDIT_WAITERS_KEPT."""
+        self._edit_waiters[key] = waiter
+        self._edit_waiters.move_to_end(key)
         while len(self._edit_waiters) > EDIT_WAITERS_KEPT:
-            del self._edit_waiters[next(iter(self._edit_waiters))]
+            self._edit_waiters.popitem(last=False)
 
     def _tell_edit_waiters(self) -> None:
         """Slack refused the bot token: the winners whose card was not edited yet never will see it edited (until
