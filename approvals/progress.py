@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kazma.approvals.model import ApprovalRequest, Decision, Review
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig
-from kazma.config.people import person_key
+from kazma.config.people import person_key, requester_key
 from kazma.config.registry import CHAT_PLATFORMS
 
 _NAMED = 8  # names listed as "waiting for" on a card before "and N more"
@@ -63,8 +63,7 @@ def approval_counts(
     if policy is None or not config.roster.may_decide(actor, platform, policy.approvers):
         return False
     if policy.forbid_requester and started_by is not None:
-        asker = started_by if ":" not in started_by else person_key(config.people, started_by)
-        return person_key(config.people, actor) != asker
+        return person_key(config.people, actor) != requester_key(config.people, started_by)
     return True
 
 
@@ -107,8 +106,7 @@ def progress_of(config: KazmaConfig, request: ApprovalRequest, reviews: Sequence
         reviewed = reviewed_by(config, reviews)
         asker = None
         if policy.forbid_requester and request.started_by is not None:
-            started = request.started_by
-            asker = started if ":" not in started else person_key(config.people, started)
+            asker = requester_key(config.people, request.started_by)
         people = {person_key(config.people, identity) for identity in config.roster.deciders(policy.approvers)}
         waiting = sorted(people - reviewed - {asker} if asker else people - reviewed)
     return Progress(

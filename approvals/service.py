@@ -78,7 +78,7 @@ from kazma.config.metrics import (
 )
 from kazma.config.models import DEFAULT_POLICY, KazmaConfig, PolicyConfig
 from kazma.config.outgoing import Outgoing
-from kazma.config.people import person_key
+from kazma.config.people import person_key, requester_key
 from kazma.config.store.backend import Tx
 from kazma.config.store.errors import simulated_failure, store_errors
 from kazma.config.waits import until_set
@@ -1119,8 +1119,7 @@ class ApprovalService:
     def _same_person(self, started_by: str, actor: str) -> bool:
         """Whether ``actor`` is the one who started the work (``started_by``: a person's name or an identity)."""
         people = self.config.people
-        asker = started_by if ":" not in started_by else person_key(people, started_by)
-        return person_key(people, actor) == asker
+        return person_key(people, actor) == requester_key(people, started_by)
 
     def _approve_barred(
         self, request_id: str, rules: Rules, policy: PolicyConfig, actor: str, *, stepped_up: bool

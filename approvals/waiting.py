@@ -18,7 +18,7 @@ from kazma.approvals.honesty import reveal_line
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.progress import progress_of, reviewed_by
 from kazma.config.models import DEFAULT_POLICY
-from kazma.config.people import person_key
+from kazma.config.people import requester_key
 
 if TYPE_CHECKING:
     from kazma.approvals.service import ApprovalService
@@ -85,10 +85,9 @@ class WaitingForYou:
             policy = config.policy(request.policy or DEFAULT_POLICY)
             if policy is None or not mine & config.roster.deciders(policy.approvers):
                 continue
-            if policy.forbid_requester and request.started_by is not None:
-                started = request.started_by
-                if (started if ":" not in started else person_key(config.people, started)) == who:
-                    continue
+            started = request.started_by
+            if policy.forbid_requester and started is not None and requester_key(config.people, started) == who:
+                continue
             reviews = await store.reviews(request.id)
             if who in reviewed_by(config, reviews):
                 continue

@@ -195,6 +195,12 @@ def person_key(people: PeopleConfig, identity: str) -> str:
     return people.person_of(identity) or identity
 
 
+def requester_key(people: PeopleConfig, started_by: str) -> str:
+    """Who started the work, for comparing with :func:`person_key` of a presser (``forbid_requester``):
+    ``started_by`` is a person's name as it stands, or an identity, counted as its person."""
+    return started_by if ":" not in started_by else person_key(people, started_by)
+
+
 def unknown_references(people: PeopleConfig, references: Iterable[str]) -> list[tuple[int, str]]:
     """(position, name) of each reference that is a name but no person or group."""
     return [(i, r) for i, r in enumerate(references) if ":" not in r and not people.knows(r)]
