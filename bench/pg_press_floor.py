@@ -13,6 +13,11 @@ the product (so the rows, their indexes and the triggers are the product's). Row
   row, the audit row on the chain (its lock tried, the row on its number, the sequence moved), the NOTIFY;
 - ``no NOTIFY``; ``no NOTIFY, no audit row``; ``the compare-and-set alone`` (no review row either).
 
+With ``--bare-schema`` the ``all writes`` and ``the compare-and-set alone`` rows run a second time on a database
+whose requests were opened by the product and then stripped of what the product's schema adds to a write beyond
+its rows (the pending-requests index, the events' per-request index, the review rows' foreign key, the triggers
+that keep a decided outcome and a policy fixed): how much of the gap to the raw compare-and-set is the schema's.
+
 In the ``all writes`` row a third side runs interleaved with the two: the product's own lone press
 (``ApprovalService.decide_from_button``, as bench/pg_decide.py's "1 press" row), in a database of its own (its
 audit chain is its own: the hand-made rows would move its head under it), so the product is seen beside its own
@@ -97,6 +102,17 @@ class Row:
         return f"WITH {', '.join(parts)} SELECT {', '.join(tail)} FROM won"  # noqa: S608 - constant SQL
 
 
+# What the product's schema adds to a press's writes beyond the rows themselves (--bare-schema drops them).
+BARE_SCHEMA: Final = (
+    "DROP INDEX approval_requests_pending",
+    "DROP INDEX approval_events_request",
+    "ALTER TABLE approval_reviews DROP CONSTRAINT approval_reviews_request_id_fkey",
+    "DROP TRIGGER approval_requests_final ON approval_requests",
+    "DROP TRIGGER approval_requests_seal_final ON approval_requests",
+    "DROP TRIGGER approval_requests_person_final ON approval_requests",
+    "DROP TRIGGER approval_requests_policy_fixed ON approval_requests",
+)
+
 ROWS: Final = (
     Row("all writes", review=True, audit=True, notify=True, product=True),
     Row("no NOTIFY", review=True, audit=True, notify=False),
@@ -151,9 +167,15 @@ class Side:
         return self.cpu / self.presses * 1e6 if self.presses else 0.0
 
 
-async def run_row(dsn: str, product_dsn: str | None, row: Row, requests: int, chunk: int) -> dict[str, Side]:
+async def run_row(
+    dsn: str, product_dsn: str | None, row: Row, requests: int, chunk: int, strip: tuple[str, ...] = ()
+) -> dict[str, Side]:
     backend, _, opened = await _opened(dsn, requests)
     await backend.close()
+    if strip:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            for statement in strip:
+                await admin.execute(statement)
     product = await _opened(product_dsn, requests) if product_dsn is not None else None
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
     raw = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
@@ -214,6 +236,7 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=2400)
     parser.add_argument("--chunk", type=int, default=100, help="presses per side before switching sides")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--bare-schema", action="store_true", help="also run two rows without the schema's extras")
     args = parser.parse_args()
     configure_logging("warning")
     from tests.pg_support import PostgresServer  # the suite's throwaway server (fsync off)
@@ -221,32 +244,36 @@ async def main() -> None:
     ratios: dict[str, list[float]] = {}
     with PostgresServer() as server, server.database() as db:
         print(f"a throwaway test server, fsync off (pid {os.getpid()}): {args.requests} presses a side per row")
-        print(f"{'run':<5}{'row':<28}{'by hand/s':>11}{'raw CAS/s':>11}{'÷ raw':>8}"
+        print(f"{'run':<5}{'row':<40}{'by hand/s':>11}{'raw CAS/s':>11}{'÷ raw':>8}"
               f"{'server µs by hand':>19}{'raw':>6}{'client µs by hand':>19}{'raw':>6}{'load 1m':>9}")  # fmt: skip
+        plan: list[tuple[str, Row, tuple[str, ...]]] = [(row.name, row, ()) for row in ROWS]
+        if args.bare_schema:
+            plan += [(f"{row.name}, bare schema", row, BARE_SCHEMA) for row in (ROWS[0], ROWS[-1])]
         for run in range(1, args.runs + 1):
-            for row in ROWS:
-                names = [f"kazma_floor_{run}_{ROWS.index(row)}"] + ([f"kazma_product_{run}"] if row.product else [])
+            for index, (label, row, strip) in enumerate(plan):
+                product = row.product and not strip
+                names = [f"kazma_floor_{run}_{index}"] + ([f"kazma_product_{run}"] if product else [])
                 with psycopg.connect(db.dsn, autocommit=True) as admin:
                     for name in names:
                         admin.execute(f'CREATE DATABASE "{name}"')
                 try:
                     dsns = [psycopg.conninfo.make_conninfo(db.dsn, dbname=name) for name in names]
-                    sides = await run_row(dsns[0], dsns[1] if row.product else None, row, args.requests, args.chunk)
+                    sides = await run_row(dsns[0], dsns[1] if product else None, row, args.requests, args.chunk, strip)
                 finally:
                     with psycopg.connect(db.dsn, autocommit=True) as admin:
                         for name in names:
                             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
                 floor, bare = sides["floor"], sides["raw"]
                 ratio = floor.rate / bare.rate
-                ratios.setdefault(row.name, []).append(ratio)
-                print(f"{run:<5}{row.name:<28}{floor.rate:>11,.0f}{bare.rate:>11,.0f}{ratio:>8.3f}"
+                ratios.setdefault(label, []).append(ratio)
+                print(f"{run:<5}{label:<40}{floor.rate:>11,.0f}{bare.rate:>11,.0f}{ratio:>8.3f}"
                       f"{floor.server_us:>19.0f}{bare.server_us:>6.0f}{floor.cpu_us:>19.0f}{bare.cpu_us:>6.0f}"
                       f"{os.getloadavg()[0]:>9.2f}")  # fmt: skip
                 if "product" in sides:
                     made = sides["product"]
                     ratios.setdefault("product ÷ all writes by hand", []).append(made.rate / floor.rate)
                     ratios.setdefault("product ÷ raw", []).append(made.rate / bare.rate)
-                    print(f"{'':<5}{'  the product (1 press)':<28}{made.rate:>11,.0f}{'':>11}"
+                    print(f"{'':<5}{'  the product (1 press)':<40}{made.rate:>11,.0f}{'':>11}"
                           f"{made.rate / bare.rate:>8.3f}{made.server_us:>19.0f}{'':>6}{made.cpu_us:>19.0f}"
                           f"   ÷ all writes by hand {made.rate / floor.rate:.3f}")  # fmt: skip
     print("medians (÷ raw psycopg compare-and-set unless said):")
