@@ -251,6 +251,44 @@ async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_
         assert "APPROVED" in fakes.card_text("telegram")
 
 
+async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is_found_and_settled(
+    tmp_path: Path,
+) -> None:
+    """Discord made the card yet answered 500; discord.py tried the post again by itself, and that try met the
+    bot token reset meanwhile (401). The whole call was taken as one that certainly did nothing: its attempt
+    taken back, so when the request was decided while the token stayed refused, the post was skipped after the
+    restart as one that never went, and the card that had landed kept live buttons for good. A 401 after a try
+    that may have landed is no "nothing done": the restart finds the card by its nonce and edits it."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+
+        def reset() -> None:
+            fakes.discord.token = "reset-in-the-developer-portal"
+
+        fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+        async with kazma_on(fakes, store) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            assert await _kept(app, request.id, "discord") == 1  # the try that may have landed, counted
+            assert fakes.has_buttons("discord")  # it did land, unrecorded
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+        posts = fakes.discord.calls_to("POST", rf"/channels/{HOME_CHANNEL_ID}/messages")
+        assert [c.status for c in posts] == [500, 401]  # discord.py's own retry, refused
+        _heal(fakes, "discord", token)
+        async with kazma_on(fakes, store) as app:
+
+            async def settled() -> bool:
+                cards = [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]
+                return bool(cards) and all(c.settled_at for c in cards)
+
+            await _until(settled)
+        assert len(_cards_on(fakes, "discord")) == 1  # the first message, given back by its nonce
+        assert not fakes.has_buttons("discord")
+        assert "APPROVED" in fakes.card_text("discord")
+
+
 async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
     """Slack refused the token while a card on it was decided and more cards were opened: after the restart the
     kept posts went first, one a second in Slack's pacing, and the decided card kept its live-looking buttons
