@@ -929,14 +929,18 @@ class FanOutBus:
                 ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
             except (PlatformError, TimeoutError) as exc:
                 _count_once("card_post", adapter.name, exc)
-                may_have_landed = may_have_landed or not _nothing_done(exc)
+                nothing_done = _nothing_done(exc)
+                may_have_landed = may_have_landed or not nothing_done
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
+                    # A try that certainly did nothing is taken back from the count (see Outbox.retry_later): every
+                    # refused try said "attempt 1", as if each were the first to reach the platform. It has none.
                     log.warning(
                         "bus.card_post_failed",
                         platform=adapter.name,
                         request_id=job.request_id,
-                        attempt=job.attempts + 1,
+                        attempt=None if nothing_done else job.attempts + 1,
+                        nothing_done=nothing_done,
                         person=place.person,
                         error=str(exc) or type(exc).__name__,
                     )

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
@@ -287,6 +288,34 @@ async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is
         assert len(_cards_on(fakes, "discord")) == 1  # the first message, given back by its nonce
         assert not fakes.has_buttons("discord")
         assert "APPROVED" in fakes.card_text("discord")
+
+
+async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed_one_with_its_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram answered a card post 401 twice (the try taken back: it certainly landed nothing), then 500 twice.
+    ``bus.card_post_failed`` said ``attempt=1`` for each refused try and for the first 500 alike, so a reader
+    counted three first attempts. A refused try is logged with no attempt and ``nothing_done``; a try that may
+    have landed, with its number among those."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        _unpace_telegram(app, monkeypatch)
+        unauthorized = Fault.server_error(401, "Unauthorized")
+        fakes.telegram.script("sendMessage", unauthorized, unauthorized, Fault.server_error(), Fault.server_error())
+        with capture_logs() as logs:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def on_telegram() -> bool:
+                return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+            await _until(on_telegram)
+        failed = [
+            (e["attempt"], e.get("nothing_done"))
+            for e in logs
+            if e["event"] == "bus.card_post_failed" and e["platform"] == "telegram" and e["request_id"] == request.id
+        ]
+        assert failed == [(None, True), (None, True), (1, False), (2, False)]
+        assert [c.status for c in fakes.telegram.calls_to("sendMessage")][:5] == [401, 401, 500, 500, 200]
 
 
 async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
