@@ -237,6 +237,7 @@ class _Worker:
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
+    kept_upto: int | None = None  # the highest post id said to wait for a refused setup (see Outbox.kept)
 
 
 class FanOutBus:
@@ -857,7 +858,7 @@ class FanOutBus:
             # failed at once, yet counted as an attempt that may have landed, so the card went out after the
             # restart marked "posted again", and one whose request ended meanwhile was said maybe unsettled.
             # The posts only say why they wait (doctor lists them), no attempt counted.
-            kept = await self.outbox.kept(adapter.name, refused)
+            kept, worker.kept_upto = await self.outbox.kept(adapter.name, refused, above=worker.kept_upto)
             if kept:
                 log.warning("bus.card_posts_kept", platform=adapter.name, posts=kept, why=refused)
             return

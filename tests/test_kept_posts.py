@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
-from kazma.adapters.outbox import Outbox
+from kazma.adapters.outbox import Outbox, PostJob
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals import Decision
 from kazma.approvals.model import ApprovalRequest
@@ -316,6 +316,30 @@ async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed
         ]
         assert failed == [(None, True), (None, True), (1, False), (2, False)]
         assert [c.status for c in fakes.telegram.calls_to("sendMessage")][:5] == [401, 401, 500, 500, 200]
+
+
+async def test_a_replica_with_a_refused_token_does_not_overwrite_a_newer_error_another_replica_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This replica's Slack token is refused; another replica on the store, whose token Slack takes, tries the
+    kept post and Slack answers it 503. This replica wrote its own refusal over that error at its next poll, and
+    again after every try of the other's: ``kazma doctor`` showed the refusal, not the newer, real error, and the
+    row was rewritten all the time. The refusal is said once per post; what another replica wrote since stays."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        await _refuse(fakes, "slack")
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+        await _kept(app, request.id, "slack")
+        outbox = _outbox(app)
+        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
+        row = await other.tables.one(
+            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (request.id, "slack")
+        )
+        job = PostJob(int(row[0]), request.id, "slack", int(row[1]))
+        newer = "slack card_post: HTTP 503 (service_unavailable)"
+        await other.retry_later(job, 0.0, newer)  # the other replica's try, answered 503, due again at once
+        await _worker_rounds(app, "slack", monkeypatch, 5)
+        said = [e for r, p, _, e in await outbox.pending() if r == request.id and p == "slack"]
+        assert said == [newer]
 
 
 async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
