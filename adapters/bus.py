@@ -237,6 +237,7 @@ class _Worker:
     scan_at: float = 0.0  # when the next full scan is due (0: at once, as at start)
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
+    kept_upto: int | None = None  # the highest post id said to wait for a refused setup (see Outbox.kept)
 
 
 class FanOutBus:
@@ -857,7 +858,7 @@ class FanOutBus:
             # failed at once, yet counted as an attempt that may have landed, so the card went out after the
             # restart marked "posted again", and one whose request ended meanwhile was said maybe unsettled.
             # The posts only say why they wait (doctor lists them), no attempt counted.
-            kept = await self.outbox.kept(adapter.name, refused)
+            kept, worker.kept_upto = await self.outbox.kept(adapter.name, refused, above=worker.kept_upto)
             if kept:
                 log.warning("bus.card_posts_kept", platform=adapter.name, posts=kept, why=refused)
             return
@@ -929,14 +930,18 @@ class FanOutBus:
                 ref = await self._post_one(adapter, job, card, chat if chat != adapter.home_chat else None)
             except (PlatformError, TimeoutError) as exc:
                 _count_once("card_post", adapter.name, exc)
-                may_have_landed = may_have_landed or not _nothing_done(exc)
+                nothing_done = _nothing_done(exc)
+                may_have_landed = may_have_landed or not nothing_done
                 if isinstance(exc, TimeoutError) or exc.retryable:
                     retry = exc if retry is None else retry
+                    # A try that certainly did nothing is taken back from the count (see Outbox.retry_later): every
+                    # refused try said "attempt 1", as if each were the first to reach the platform. It has none.
                     log.warning(
                         "bus.card_post_failed",
                         platform=adapter.name,
                         request_id=job.request_id,
-                        attempt=job.attempts + 1,
+                        attempt=None if nothing_done else job.attempts + 1,
+                        nothing_done=nothing_done,
                         person=place.person,
                         error=str(exc) or type(exc).__name__,
                     )

@@ -195,19 +195,29 @@ class Outbox:
             [(self.clock() + delay, error, job.id)],
         )
 
-    async def kept(self, platform: str, why: str) -> int:
+    async def kept(self, platform: str, why: str, *, above: int | None = None) -> tuple[int, int | None]:
         """Every post waiting on ``platform`` (none claimed) says ``why`` it waits, without an attempt: the platform
-        refused Kazma's setup, and nothing is tried with it until the operator's restart. How many say it now."""
+        refused Kazma's setup, and nothing is tried with it until the operator's restart.
 
-        def op(tx: Tx) -> int:
-            return tx.run(
+        ``above``: the highest post id this process said it of already (the second value of its last call). Those
+        keep what they say now unless it is nothing: an error written since is another replica's, whose token
+        works, trying the post, newer and real. Written over at every poll, ``kazma doctor`` showed this refusal
+        instead, and the row was rewritten after each of that replica's tries. How many say it now, and the
+        highest id of a waiting post (``above`` when none is higher)."""
+        floor = -1 if above is None else above
+
+        def op(tx: Tx) -> tuple[int, int | None]:
+            count = tx.run(
                 "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
-                " AND (last_error IS NULL OR last_error != ?)",
-                (why, platform, why),
+                " AND (last_error IS NULL OR (id > ? AND last_error != ?))",
+                (why, platform, floor, why),
             )
+            row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (platform,))
+            highest = None if row is None or row[0] is None else int(row[0])
+            return int(count), max(highest, floor) if highest is not None else above
 
         writer = await self.tables.writer()
-        return int(await writer.submit(op))
+        return await writer.submit(op)
 
     async def hold(self, platform: str, delay: float, why: str) -> int:
         """Every post waiting on ``platform`` (none claimed) goes in ``delay`` seconds, saying ``why``, without an

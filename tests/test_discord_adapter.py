@@ -674,6 +674,36 @@ async def test_a_401_on_a_webhooks_own_token_asks_nothing_of_the_operator(runnin
     assert refused.value.operator_must_act
 
 
+async def test_a_401_on_discord_py_s_retry_of_a_card_discord_made_is_not_nothing_done(running: Running) -> None:
+    """Discord made the card and answered 500; discord.py's own retry met the bot token reset meanwhile (401).
+    That was told as a call that certainly did nothing, though its first try had landed the card. Only a 401 with
+    no request before it that Discord may have done is "nothing done"."""
+    fake, adapter = running.fake, running.adapter
+    adapter.request_timeout = 3.0  # room for discord.py's own pause (1 s) before its retry
+
+    def reset() -> None:
+        fake.token = "reset-in-the-developer-portal"
+
+    fake.inject_fault("POST", CHANNEL_POST, "500-landed", after=reset)
+    with pytest.raises(PlatformError) as caught:
+        await adapter.post_card(make_card({"a": 1}))
+    assert [c.status for c in fake.calls_to("POST", CHANNEL_POST)] == [500, 401]
+    assert caught.value.operator_must_act
+    assert not caught.value.nothing_done
+    assert len(fake.channel_messages(HOME_CHANNEL_ID)) == 1
+    with pytest.raises(PlatformError) as kept:  # refused before it leaves Kazma: certainly nothing done
+        await adapter.post_card(make_card({"a": 2}))
+    assert kept.value.nothing_done
+
+
+async def test_a_401_on_a_card_post_s_only_request_is_nothing_done(running: Running) -> None:
+    running.fake.token = "reset-in-the-developer-portal"
+    with pytest.raises(PlatformError) as caught:
+        await running.adapter.post_card(make_card({"a": 1}))
+    assert caught.value.operator_must_act
+    assert caught.value.nothing_done
+
+
 async def test_server_errors_are_retryable(running: Running) -> None:
     fake, adapter = running.fake, running.adapter
     fake.inject_fault("POST", CHANNEL_POST, "503")

@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
-from kazma.adapters.outbox import Outbox
+from kazma.adapters.outbox import Outbox, PostJob
 from kazma.adapters.telegram import TelegramAdapter
 from kazma.approvals import Decision
 from kazma.approvals.model import ApprovalRequest
@@ -249,6 +250,96 @@ async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_
         assert [c.status for c in fakes.telegram.calls_to("editMessageText")][:1] == [401]
         assert not fakes.has_buttons("telegram")
         assert "APPROVED" in fakes.card_text("telegram")
+
+
+async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is_found_and_settled(
+    tmp_path: Path,
+) -> None:
+    """Discord made the card yet answered 500; discord.py tried the post again by itself, and that try met the
+    bot token reset meanwhile (401). The whole call was taken as one that certainly did nothing: its attempt
+    taken back, so when the request was decided while the token stayed refused, the post was skipped after the
+    restart as one that never went, and the card that had landed kept live buttons for good. A 401 after a try
+    that may have landed is no "nothing done": the restart finds the card by its nonce and edits it."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+
+        def reset() -> None:
+            fakes.discord.token = "reset-in-the-developer-portal"
+
+        fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+        async with kazma_on(fakes, store) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            assert await _kept(app, request.id, "discord") == 1  # the try that may have landed, counted
+            assert fakes.has_buttons("discord")  # it did land, unrecorded
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+        posts = fakes.discord.calls_to("POST", rf"/channels/{HOME_CHANNEL_ID}/messages")
+        assert [c.status for c in posts] == [500, 401]  # discord.py's own retry, refused
+        _heal(fakes, "discord", token)
+        async with kazma_on(fakes, store) as app:
+
+            async def settled() -> bool:
+                cards = [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]
+                return bool(cards) and all(c.settled_at for c in cards)
+
+            await _until(settled)
+        assert len(_cards_on(fakes, "discord")) == 1  # the first message, given back by its nonce
+        assert not fakes.has_buttons("discord")
+        assert "APPROVED" in fakes.card_text("discord")
+
+
+async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed_one_with_its_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram answered a card post 401 twice (the try taken back: it certainly landed nothing), then 500 twice.
+    ``bus.card_post_failed`` said ``attempt=1`` for each refused try and for the first 500 alike, so a reader
+    counted three first attempts. A refused try is logged with no attempt and ``nothing_done``; a try that may
+    have landed, with its number among those."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        _unpace_telegram(app, monkeypatch)
+        unauthorized = Fault.server_error(401, "Unauthorized")
+        fakes.telegram.script("sendMessage", unauthorized, unauthorized, Fault.server_error(), Fault.server_error())
+        with capture_logs() as logs:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+
+            async def on_telegram() -> bool:
+                return "telegram" in [c.platform for c in await app.service.store.cards(request.id)]
+
+            await _until(on_telegram)
+        failed = [
+            (e["attempt"], e.get("nothing_done"))
+            for e in logs
+            if e["event"] == "bus.card_post_failed" and e["platform"] == "telegram" and e["request_id"] == request.id
+        ]
+        assert failed == [(None, True), (None, True), (1, False), (2, False)]
+        assert [c.status for c in fakes.telegram.calls_to("sendMessage")][:5] == [401, 401, 500, 500, 200]
+
+
+async def test_a_replica_with_a_refused_token_does_not_overwrite_a_newer_error_another_replica_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This replica's Slack token is refused; another replica on the store, whose token Slack takes, tries the
+    kept post and Slack answers it 503. This replica wrote its own refusal over that error at its next poll, and
+    again after every try of the other's: ``kazma doctor`` showed the refusal, not the newer, real error, and the
+    row was rewritten all the time. The refusal is said once per post; what another replica wrote since stays."""
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        await _refuse(fakes, "slack")
+        request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+        await _kept(app, request.id, "slack")
+        outbox = _outbox(app)
+        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
+        row = await other.tables.one(
+            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (request.id, "slack")
+        )
+        job = PostJob(int(row[0]), request.id, "slack", int(row[1]))
+        newer = "slack card_post: HTTP 503 (service_unavailable)"
+        await other.retry_later(job, 0.0, newer)  # the other replica's try, answered 503, due again at once
+        await _worker_rounds(app, "slack", monkeypatch, 5)
+        said = [e for r, p, _, e in await outbox.pending() if r == request.id and p == "slack"]
+        assert said == [newer]
 
 
 async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:

@@ -256,11 +256,22 @@ async def test_outbox_an_attempt_that_landed_nothing_is_taken_back_and_kept_post
     await outbox.retry_later(job, 0, "slack card_post: refused", attempted=False)
     assert await outbox.pending() == [("r1", "slack", 0, "slack card_post: refused")]
     await outbox.enqueue("r2", ["slack"])
-    assert await outbox.kept("slack", "Slack refused the bot token") == 2
-    assert await outbox.kept("slack", "Slack refused the bot token") == 0  # said once
+    kept, upto = await outbox.kept("slack", "Slack refused the bot token")
+    assert kept == 2
+    assert (await outbox.kept("slack", "Slack refused the bot token", above=upto))[0] == 0  # said once
     assert [(r, a, e) for r, _, a, e in await outbox.pending()] == [
         ("r1", 0, "Slack refused the bot token"),
         ("r2", 0, "Slack refused the bot token"),
+    ]
+    # Another replica, whose token works, tried r1 since: its newer error stays; a post enqueued since is told.
+    await outbox.retry_later(job, 0, "slack card_post: HTTP 503")
+    await outbox.enqueue("r3", ["slack"])
+    kept, _ = await outbox.kept("slack", "Slack refused the bot token", above=upto)
+    assert kept == 1
+    assert [(r, e) for r, _, _, e in await outbox.pending()] == [
+        ("r1", "slack card_post: HTTP 503"),
+        ("r2", "Slack refused the bot token"),
+        ("r3", "Slack refused the bot token"),
     ]
 
 

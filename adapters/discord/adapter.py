@@ -257,7 +257,7 @@ class DiscordAdapter(PlatformBase):
                 self._reopen_global_lock(witness)
                 if refuses_token(exc):
                     self._refuse_token(site, exc)
-                    raise self._token_error(site) from exc
+                    raise self._token_error(site, nothing_done=not witness.maybe_done) from exc
                 raise
 
         token = CALL_WITNESS.set(witness)
@@ -299,6 +299,9 @@ class DiscordAdapter(PlatformBase):
             route = f"{params.method} {route_of(params.url)}"
             limit = await rate_limit_of(params.response, route, time.monotonic())
             status = params.response.status
+            witness = CALL_WITNESS.get()
+            if witness is not None and not 400 <= status < 500:
+                witness.maybe_done = True
             if limit is None:
                 if status >= 500:  # discord.py tries a 5xx again after a pause: a timeout may end it meanwhile
                     failed = f"{route} with {status} {params.response.reason or ''}".rstrip()
@@ -317,8 +320,15 @@ class DiscordAdapter(PlatformBase):
             log.warning("discord.rate_limited", route=route, retry_after=limit.retry_after, scope=limit.scope,
                         via=params.response.headers.get("Via") is not None)  # fmt: skip
 
+        async def dropped(session: aiohttp.ClientSession, context: SimpleNamespace,
+                          params: aiohttp.TraceRequestExceptionParams) -> None:  # fmt: skip
+            witness = CALL_WITNESS.get()
+            if witness is not None:  # it may have reached Discord before the connection broke
+                witness.maybe_done = True
+
         trace.on_request_start.append(started)
         trace.on_request_end.append(answered)
+        trace.on_request_exception.append(dropped)
         return trace
 
     # ----------------------------------------------------------------- lifecycle
@@ -342,12 +352,14 @@ class DiscordAdapter(PlatformBase):
         count_failure("token_refused", PLATFORM)
         log.error("discord.token_refused", site=site, error=describe(exc), gateway=self._ended, fix=OPERATOR_FIX)
 
-    def _token_error(self, site: str) -> PlatformError:
+    def _token_error(self, site: str, *, nothing_done: bool = True) -> PlatformError:
         # Retryable, as for a platform whose start was refused: a card post or edit stays in the outbox (nothing goes
         # out to Discord meanwhile) and lands after the operator's restart with a new token. Given up for good, the
         # card never came to Discord, and a card decided meanwhile kept its buttons there.
+        # ``nothing_done`` False: the 401 answered discord.py's own retry of a request Discord may have done (a 5xx
+        # after it made the card): that card may be out there, so the post is an attempt (found by its nonce later).
         return PlatformError(
-            PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True, nothing_done=True
+            PLATFORM, site, self._token_refused or "", retryable=True, operator_must_act=True, nothing_done=nothing_done
         )
 
     @property

@@ -48,6 +48,9 @@ class CallWitness:
     waiting: RateLimit | None = None  # the last answer was a 429, and no request has gone out since
     failed: str | None = None  # the last 5xx Discord answered ("POST /api/v10/… with 503 Service Unavailable")
     retrying: bool = False  # that 5xx was the last answer: discord.py pauses before it tries again
+    # A request may have been done by Discord: answered other than 4xx (a 5xx may come after the work, a 2xx did
+    # it), or not answered at all (dropped). A 401 on discord.py's own retry after one says nothing of the first.
+    maybe_done: bool = False
 
 
 # The witness of the adapter call running in this task (see DiscordAdapter.call); None outside one.

@@ -71,7 +71,8 @@ LOADING = 1 << 7
 
 # "401": Discord refusing an interaction's or a webhook's own token (in the route's path), not the bot's.
 # "401-proxy": a proxy between Kazma and Discord asking for its own sign-in (an HTML page, not Discord's JSON).
-FaultKind = Literal["500", "503", "429", "429-global", "429-no-via", "401", "401-proxy", "hang"]
+# "500-landed": Discord did the request (a message made) yet answered 500 (its front failed after its back end).
+FaultKind = Literal["500", "500-landed", "503", "429", "429-global", "429-no-via", "401", "401-proxy", "hang"]
 
 SYNC_FLUSH_SUFFIX = b"\x00\x00\xff\xff"
 
@@ -140,6 +141,7 @@ class _Fault:
     kind: FaultKind
     remaining: int
     retry_after: float
+    after: Callable[[], None] | None = None  # run once the fault answered (e.g. the token reset meanwhile)
 
 
 @dataclass
@@ -349,12 +351,20 @@ class FakeDiscord:
     # ------------------------------------------------------------------ test helpers
 
     def inject_fault(
-        self, method: str, path: str, kind: FaultKind, *, times: int = 1, retry_after: float = 0.02
+        self,
+        method: str,
+        path: str,
+        kind: FaultKind,
+        *,
+        times: int = 1,
+        retry_after: float = 0.02,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """Answer the next ``times`` requests matching ``method`` and ``path`` (a regex on the path below
         /api/v10, matched whole) with ``kind``: a 500 or 503, a 429 (with or without Discord's ``Via``
-        header), or no answer until the fake stops."""
-        self._faults.append(_Fault(method.upper(), re.compile(path), kind, times, retry_after))
+        header), or no answer until the fake stops. ``after`` runs once each such answer is made, before the
+        client can send anything again (a change between a request and its retry, with no race)."""
+        self._faults.append(_Fault(method.upper(), re.compile(path), kind, times, retry_after, after))
 
     def clear_faults(self) -> None:
         """No more scripted faults: every request is answered as usual again."""
@@ -870,8 +880,11 @@ class FakeDiscord:
         await self.notify()
         fault = self._take_fault(request.method, path)
         try:
-            if fault is not None:
-                response: web.StreamResponse = await self._fault_response(fault)
+            if fault is not None and fault.kind == "500-landed":
+                await handler(request)  # done, and kept: only the answer fails
+                response: web.StreamResponse = self._error(500, 0, "Internal Server Error")
+            elif fault is not None:
+                response = await self._fault_response(fault)
             elif not self._authorised(request, path):
                 response = self._error(401, 0, "401: Unauthorized")
             else:
@@ -882,6 +895,8 @@ class FakeDiscord:
                 except web.HTTPMethodNotAllowed:
                     response = self._error(405, 0, "405: Method Not Allowed")
             call.status = response.status
+            if fault is not None and fault.after is not None:
+                fault.after()
             return response
         finally:
             await self.notify()
