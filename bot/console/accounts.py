@@ -89,8 +89,9 @@ CLIENT_CHALLENGES: Final = 20  # unanswered anonymous challenges one client may 
 
 
 def digest(token: str) -> str:
-    """What the store keeps of a token: its SHA-256 (256 random bits: no salt needed)."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    """What the store keeps of a token: its SHA-256 (256 random bits: no salt needed). A cookie's or a path's
+    bytes that are no UTF-8 (kept as surrogates) hash too, and match nothing: never a 500."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Purpose(StrEnum):

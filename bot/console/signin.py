@@ -11,7 +11,6 @@ verified the answer (:mod:`~kazma.bot.console.passkeys`).
 
 from __future__ import annotations
 
-import hmac
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from kazma.bot.console.accounts import (
     TooManyChallenges,
     digest,
 )
-from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
+from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next, same_token
 from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
@@ -292,7 +291,7 @@ class SignIn:
     async def local_sign_in(self, request: web.Request) -> web.Response:
         local = self.local
         token = request.match_info["token"]
-        if local is None or local.used or not hmac.compare_digest(token.encode(), local.token.encode()):
+        if local is None or local.used or not same_token(token, local.token):
             raise web.HTTPGone(text=gone_page(InviteState.USED, "This sign-in link is used or unknown."),
                                content_type="text/html")  # fmt: skip
         local.used = True

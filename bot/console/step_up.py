@@ -13,7 +13,6 @@ ceremony cookie, as at sign-in.
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
@@ -23,7 +22,7 @@ from aiohttp import web
 from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
-from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth, same_token
 from kazma.bot.console.pages import approval_href
 from kazma.bot.console.passkeys import (
     PasskeyRefused,
@@ -63,7 +62,7 @@ class StepUp:
         if not supplied and request.content_type == "application/x-www-form-urlencoded":
             field = (await request.post()).get("csrf")
             supplied = field if isinstance(field, str) else ""
-        if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
+        if not supplied or not same_token(supplied, session.csrf):
             log.warning("web.csrf_refused", login=session.login, path=request.path)
             raise _json_error(web.HTTPForbidden, CSRF_REFUSED)
         if session.person is None:

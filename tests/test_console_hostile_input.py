@@ -1,0 +1,74 @@
+"""The console under a hostile client on the same network, over real HTTP: bytes that are no text where a token
+is expected (a cookie a sibling host planted, a CSRF header, a JSON string's lone surrogate) are answered as a
+refusal, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from yarl import URL
+
+from kazma.bot.console.miniapp import InitDataRefused, verify_init_data
+from tests.test_web_server import OPERATOR, Console, console
+
+
+async def _raw(con: Console, head: bytes, body: bytes = b"") -> int:
+    """The status of one request written byte for byte (a client library would not send bytes that are no text)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", URL(con.base).port)
+    try:
+        length = f"Content-Length: {len(body)}\r\n".encode()
+        writer.write(head + length + b"Host: localhost\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+        status_line = await reader.readline()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    return int(status_line.split()[1])
+
+
+async def test_bytes_that_are_no_text_in_a_cookie_or_a_csrf_header_are_refused_not_a_server_error(
+    tmp_path: Path,
+) -> None:
+    async with console(tmp_path) as con, con.client() as alice:
+        await con.login(alice, "alice", OPERATOR)
+        request = await con.open_approval({"cmd": "ls"})
+        [sid] = [c.value for c in alice.cookie_jar if c.key == "kazma_session"]
+        session = f"Cookie: kazma_session={sid}\r\n".encode()
+        form = b"Content-Type: application/x-www-form-urlencoded\r\n"
+        decide = f"POST /approvals/{request.id}/decide HTTP/1.1\r\n".encode()
+        step_up = f"POST /approvals/{request.id}/step-up/options HTTP/1.1\r\n".encode()
+        cases = {
+            # a session cookie of bytes that are no UTF-8 (planted for the domain by a sibling host over http)
+            "session cookie": (b"GET / HTTP/1.1\r\nCookie: kazma_session=\xff\xfe\r\n", b"", 302),
+            # a signed-in person's form with such a CSRF header: refused like any wrong token
+            "decide csrf": (decide + session + form + b"X-CSRF-Token: \xff\xfe\r\n", b"decision=deny", 403),
+            "step-up csrf": (step_up + session + b"X-CSRF-Token: \xff\xfe\r\n", b"", 403),
+            "upload csrf": (
+                b"POST /console/upload HTTP/1.1\r\n" + session + form + b"X-CSRF-Token: \xff\xfe\r\n",
+                b"",
+                403,
+            ),
+            # a ceremony's cookie: no ceremony was begun with it
+            "ceremony cookie": (b"POST /login/passkey HTTP/1.1\r\nCookie: kazma_ceremony=\xff\r\n", b"{}", 403),
+            "login form cookie": (
+                b"POST /login HTTP/1.1\r\nCookie: kazma_login_csrf=\xff\r\n" + form,
+                b"csrf=%FF&name=m&token=t",
+                403,
+            ),
+        }
+        for name, (head, body, expected) in cases.items():
+            assert await _raw(con, head, body) == expected, name
+        # nothing was decided, and the person's own session still works
+        stored = await con.app.service.store.get(request.id)
+        assert stored is not None
+        assert stored.status.value == "pending"
+        assert (await alice.get(f"{con.base}/", allow_redirects=False)).status == 200
+
+
+@pytest.mark.parametrize("init_data", ["auth_date=1&user=\ud800&hash=abc", "auth_date=1&user=%7B%7D&hash=\ud800"])
+def test_initdata_with_a_lone_surrogate_from_json_is_refused_not_a_server_error(init_data: str) -> None:
+    # the Mini App's POST is JSON, whose "\ud800" escape is a string no UTF-8 encodes
+    with pytest.raises(InitDataRefused, match="signature"):
+        verify_init_data(init_data, "123456:this-bots-token")
