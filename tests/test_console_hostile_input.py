@@ -1,6 +1,7 @@
 """The console under a hostile client on the same network, over real HTTP: bytes that are no text where a token
-is expected (a cookie a sibling host planted, a CSRF header, a JSON string's lone surrogate) are answered as a
-refusal, never a 500."""
+is expected (a cookie a sibling host planted, a CSRF header) are answered as a refusal, never a 500; and the
+secret in a link's path (an enrolment link, kazma demo's one-time sign-in) is never written to the log when
+a request for it is refused."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 from yarl import URL
 
 from kazma.bot.console.miniapp import InitDataRefused, verify_init_data
@@ -65,6 +67,31 @@ async def test_bytes_that_are_no_text_in_a_cookie_or_a_csrf_header_are_refused_n
         assert stored is not None
         assert stored.status.value == "pending"
         assert (await alice.get(f"{con.base}/", allow_redirects=False)).status == 200
+
+
+async def test_a_refused_request_for_an_enrolment_link_does_not_write_its_token_to_the_log(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as client:
+        link = await con.invite("alice")
+        token = URL(link).parts[-1]
+        path = URL(link).path
+        with capture_logs() as events:
+            # the link opened at a name the console does not answer to (an internal name, a proxy's)
+            misdirected = await client.get(f"{con.base}{path}", headers={"Host": "kazma.internal:8765"})
+            assert misdirected.status == 421
+            # its ceremony begun from a page the browser says is another site's
+            cross = await client.post(
+                f"{con.base}{path}/options",
+                json={},
+                headers={"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"},
+            )
+            assert cross.status == 403
+        refusals = [e for e in events if e["event"] in ("web.host_refused", "web.origin_refused")]
+        assert [e["event"] for e in refusals] == ["web.host_refused", "web.origin_refused"]
+        for event in refusals:
+            assert token not in repr(event), event
+            assert event["path"] in ("/enrol/…", "/enrol/…/options"), event
+        # the link itself still enrols: the refusals took nothing from it
+        assert (await client.get(link)).status == 200
 
 
 @pytest.mark.parametrize("init_data", ["auth_date=1&user=\ud800&hash=abc", "auth_date=1&user=%7B%7D&hash=\ud800"])

@@ -52,7 +52,7 @@ from aiohttp import web
 
 from kazma.bot.console.challenge_share import REFUSED
 from kazma.bot.console.forwarded import ClientAddresses
-from kazma.bot.console.hosts import Hosts
+from kazma.bot.console.hosts import Hosts, logged_path
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
 from kazma.bot.console.sessions import Opening, SessionStore, StoredSession
@@ -618,7 +618,7 @@ class WebAuth:
             return  # the browser vouches for it, or did not say: the CSRF token still has to match
         else:
             refused = origin
-        log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=request.path)
+        log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=logged_path(request.path))
         raise web.HTTPForbidden(text=message_page("Refused", ORIGIN_REFUSED), content_type="text/html")
 
     # -- what the door let in ----------------------------------------------------------------------
