@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from yarl import URL
 
 from kazma.bot.console.miniapp import InitDataRefused, verify_init_data
+from tests.passkey_support import CeremonyRefused, SoftAuthenticator, enrol
 from tests.test_web_server import OPERATOR, Console, console
 
 
@@ -99,3 +100,27 @@ def test_initdata_with_a_lone_surrogate_from_json_is_refused_not_a_server_error(
     # the Mini App's POST is JSON, whose "\ud800" escape is a string no UTF-8 encodes
     with pytest.raises(InitDataRefused, match="signature"):
         verify_init_data(init_data, "123456:this-bots-token")
+
+
+async def test_revoking_all_of_a_persons_passkeys_closes_their_open_enrolment_links(tmp_path: Path) -> None:
+    async with console(tmp_path) as con, con.client() as alice, con.client() as mallory:
+        signin = con.server.signin
+        assert signin is not None
+        leaked = await con.invite("alice")  # a link sent over a chat that turned out to be read by others
+        await enrol(alice, con.base, await con.invite("alice"), SoftAuthenticator())
+        request = await con.open_approval({"cmd": "rm -rf /srv"})
+        # the compromise is noticed: every passkey of alice's is revoked, the step the README gives for it
+        assert len(await signin.accounts.revoke(person="alice", credential_id=None, by="cli:root")) == 1
+        with pytest.raises(CeremonyRefused) as refused:
+            await enrol(mallory, con.base, leaked, SoftAuthenticator())
+        assert refused.value.status == 410
+        assert "expired" in refused.value.message
+        assert [p for p in await signin.accounts.passkeys("alice") if not p.revoked] == []
+        # nobody holds a session as alice, so nobody approves as her
+        page = await mallory.get(f"{con.base}/swarm?approval={request.id}", allow_redirects=False)
+        assert page.status == 302
+        stored = await con.app.service.store.get(request.id)
+        assert stored is not None
+        assert stored.status.value == "pending"
+        # a link made after the revocation enrols her new device
+        await enrol(alice, con.base, await con.invite("alice"), SoftAuthenticator())
