@@ -124,3 +124,26 @@ async def test_revoking_all_of_a_persons_passkeys_closes_their_open_enrolment_li
         assert stored.status.value == "pending"
         # a link made after the revocation enrols her new device
         await enrol(alice, con.base, await con.invite("alice"), SoftAuthenticator())
+
+
+async def test_an_answer_nested_thousands_deep_is_not_json_to_the_ceremonies_not_a_server_error(
+    tmp_path: Path,
+) -> None:
+    deep = b"[" * 20_000 + b"]" * 20_000  # within the 64 KiB an answer may have, past the JSON parser's stack
+    async with console(tmp_path) as con, con.client() as alice, con.client() as anyone:
+        csrf = await con.login(alice, "alice", OPERATOR)
+        request = await con.open_approval({"cmd": "ls"})
+        token = URL(await con.invite("bob")).parts[-1]
+        step_up = f"{con.base}/approvals/{request.id}/step-up"
+        assert (await alice.post(f"{step_up}/options", json={}, headers={"X-CSRF-Token": csrf})).status == 200
+        answered = await alice.post(step_up, data=deep, headers={"X-CSRF-Token": csrf})
+        assert answered.status == 400, await answered.text()
+        assert (await answered.json())["error"] == "the answer is not JSON"
+        await anyone.post(f"{con.base}/login/passkey/options", json={})
+        for path in ("/login/passkey", f"/enrol/{token}"):
+            answered = await anyone.post(f"{con.base}{path}", data=deep)
+            assert answered.status == 400, path
+            assert (await answered.json())["error"] == "the answer is not JSON", path
+        stored = await con.app.service.store.get(request.id)
+        assert stored is not None
+        assert stored.status.value == "pending"

@@ -139,7 +139,7 @@ class TelegramApp:
         raw = await request.content.read(MAX_INIT_DATA * 2)
         try:
             body = json.loads(raw or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # nested thousands deep: the parser's stack, not a 500
             raise _json_error(web.HTTPBadRequest, "expected JSON") from None
         if not isinstance(body, dict):
             raise _json_error(web.HTTPBadRequest, "expected a JSON object")

@@ -14,7 +14,6 @@ ceremony cookie, as at sign-in.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import structlog
 from aiohttp import web
@@ -31,7 +30,7 @@ from kazma.bot.console.passkeys import (
     credential_id_of,
     verify_assertion,
 )
-from kazma.bot.console.signin import CEREMONY_COOKIE, MAX_ANSWER
+from kazma.bot.console.signin import CEREMONY_COOKIE, read_answer
 from kazma.config.metrics import count_failure
 
 log = structlog.get_logger("kazma.web.step_up")
@@ -92,13 +91,7 @@ class StepUp:
         session, request_id = await self._session(request)
         person = session.person
         assert person is not None
-        raw = await request.content.read(MAX_ANSWER + 1)
-        if len(raw) > MAX_ANSWER:
-            raise _json_error(web.HTTPRequestEntityTooLarge, "the answer is too large")
-        try:
-            answer: Any = json.loads(raw or b"{}")
-        except ValueError:
-            raise _json_error(web.HTTPBadRequest, "the answer is not JSON") from None
+        answer = await read_answer(request)
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ASSERT
         )
