@@ -126,10 +126,9 @@ class TelegramApp:
         value = secrets.token_urlsafe(24)
         approval = request.query.get("approval", "")
         response = html_response(telegram_app_page(value, approval if _REQUEST_ID.fullmatch(approval) else None))
-        response.set_cookie(
-            APP_CSRF_COOKIE, value, httponly=True, samesite="Strict", path=request.path, secure=self.auth.secure,
-            max_age=600,
-        )  # fmt: skip
+        # __Host- over https, as every sign-in cookie: a sibling host could otherwise plant its own pair (a login
+        # CSRF into the planter's Telegram identity, held off by the origin check alone)
+        self.auth.set_sign_in_cookie(response, APP_CSRF_COOKIE, value, samesite="Strict", max_age=600)
         return response
 
     async def sign_in(self, request: web.Request) -> web.Response:
@@ -143,7 +142,7 @@ class TelegramApp:
             raise _json_error(web.HTTPBadRequest, "expected JSON") from None
         if not isinstance(body, dict):
             raise _json_error(web.HTTPBadRequest, "expected a JSON object")
-        cookie = request.cookies.get(APP_CSRF_COOKIE, "")
+        cookie = request.cookies.get(self.auth.cookie(APP_CSRF_COOKIE), "")
         field = str(body.get("csrf") or "")
         if not cookie or not field or not same_token(cookie, field):
             raise _json_error(web.HTTPForbidden, "open this page from the card's button in Telegram")
@@ -174,7 +173,7 @@ class TelegramApp:
         next_page = f"/swarm?approval={approval}" if _REQUEST_ID.fullmatch(approval) else "/swarm"
         response = web.json_response({"ok": True, "next": next_page, "who": session.who})
         self.auth.set_cookie(response, session)
-        response.del_cookie(APP_CSRF_COOKIE, path=request.path)
+        self.auth.drop_sign_in_cookie(response, APP_CSRF_COOKIE)
         return response
 
 
