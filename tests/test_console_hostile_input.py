@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 from yarl import URL
 
+from kazma.bot.console.mcp_askers import jsonrpc
 from kazma.bot.console.miniapp import InitDataRefused, verify_init_data
 from tests.passkey_support import CeremonyRefused, SoftAuthenticator, enrol
 from tests.test_web_server import OPERATOR, Console, console
@@ -147,3 +148,8 @@ async def test_an_answer_nested_thousands_deep_is_not_json_to_the_ceremonies_not
         stored = await con.app.service.store.get(request.id)
         assert stored is not None
         assert stored.status.value == "pending"
+
+
+def test_a_jsonrpc_body_nested_thousands_deep_is_no_message_not_a_server_error() -> None:
+    # /mcp reads the body for its cancellations before the SDK does: a token holder's deep array raised there
+    assert jsonrpc(b"[" * 20_000 + b"]" * 20_000) is None
