@@ -24,7 +24,7 @@ from kazma.adapters.web import WebAdapter
 from kazma.approvals.model import Status
 from kazma.bot.app import App, build_app
 from kazma.bot.console.auth import SESSION_COOKIE
-from kazma.bot.console.miniapp import MAX_AGE, InitDataRefused, verify_init_data
+from kazma.bot.console.miniapp import APP_CSRF_COOKIE, MAX_AGE, InitDataRefused, verify_init_data
 from kazma.bot.console.server import WebServer
 from kazma.config import load_config_text
 from tests.fakes.telegram import FakeTelegram
@@ -246,3 +246,30 @@ def test_verify_init_data_checks_the_signature_the_age_and_the_bot() -> None:
         verify_init_data(data + "&auth_date=1", fake.token, now=now)
     with pytest.raises(InitDataRefused, match="not configured"):
         verify_init_data(data, "", now=now)
+
+
+async def test_the_mini_apps_csrf_cookie_is_host_prefixed_and_a_plain_one_opens_nothing(tmp_path: Path) -> None:
+    # over https a sibling host may set a cookie for the whole domain: only a __Host- cookie is surely ours
+    async with (
+        kazma_with_telegram(tmp_path, home=ALICE) as k,
+        aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http,
+    ):
+        init_data = k.telegram.mini_app_init_data(ALICE)
+        for name, status in ((APP_CSRF_COOKIE, 403), (f"__Host-{APP_CSRF_COOKIE}", 200)):
+            page = await http.get(f"{k.base}/telegram/app")
+            [line] = page.headers.getall("Set-Cookie")
+            parts = [p.strip() for p in line.split(";")]
+            assert parts[0].startswith(f"__Host-{APP_CSRF_COOKIE}="), line
+            assert "Secure" in parts
+            assert "Path=/" in parts
+            value = parts[0].partition("=")[2]
+            answer = await http.post(
+                f"{k.base}/telegram/app",
+                json={"init_data": init_data, "csrf": value},
+                headers={"Cookie": f"{name}={value}"},
+            )
+            assert answer.status == status, (name, await answer.text())
+        dropped = [c for c in answer.headers.getall("Set-Cookie") if c.startswith(f"__Host-{APP_CSRF_COOKIE}=")]
+        assert len(dropped) == 1
+        assert "Max-Age=0" in dropped[0]
+        assert "Secure" in dropped[0]

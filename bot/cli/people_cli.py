@@ -124,7 +124,8 @@ def invite(obj: Context, person: str, hours: int) -> None:
 @click.option("--passkey", "credential", default=None, help="Only this passkey (its id, or its first characters).")
 @click.pass_obj
 def revoke(obj: Context, person: str, credential: str | None) -> None:
-    """Revoke PERSON's passkeys (or one): they sign nobody in again, and the sessions they opened end now."""
+    """Revoke PERSON's passkeys (or one): they sign nobody in again, and the sessions they opened end now.
+    Revoking all of them closes PERSON's open enrolment links too."""
     config = obj.load().config
     by = str(Actor("cli", system_login()))
     try:
@@ -132,9 +133,12 @@ def revoke(obj: Context, person: str, credential: str | None) -> None:
     except LookupError as exc:
         click.echo(str(exc), err=True)
         sys.exit(1)
+    closed = " (any open enrolment link of theirs is closed)" if credential is None else ""
     if not revoked:
         which = f"passkey {credential!r}" if credential else "passkey"
-        click.echo(f"{person} has no active {which}: nothing was revoked", err=True)
+        click.echo(f"{person} has no active {which}: nothing was revoked{closed}", err=True)
         sys.exit(1)
     for credential_id in revoked:
         click.echo(f"revoked {person}'s passkey {credential_id[:16]}…; its sessions ended")
+    if credential is None:
+        click.echo(f"{person}'s open enrolment links are closed too: `kazma people invite {person}` makes a new one")

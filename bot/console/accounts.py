@@ -89,8 +89,9 @@ CLIENT_CHALLENGES: Final = 20  # unanswered anonymous challenges one client may 
 
 
 def digest(token: str) -> str:
-    """What the store keeps of a token: its SHA-256 (256 random bits: no salt needed)."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    """What the store keeps of a token: its SHA-256 (256 random bits: no salt needed). A cookie's or a path's
+    bytes that are no UTF-8 (kept as surrogates) hash too, and match nothing: never a 500."""
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class Purpose(StrEnum):
@@ -330,7 +331,11 @@ class AccountStore:
 
     async def revoke(self, *, person: str, credential_id: str | None, by: str) -> list[str]:
         """Revoke one passkey of ``person`` (a credential id or its first characters), or all of theirs; every
-        session they opened ends in the same transaction. The ids revoked (none: nothing matched)."""
+        session they opened ends in the same transaction. The ids revoked (none: nothing matched).
+
+        Revoking all of them (the step after a compromise) also closes the person's open enrolment links, in
+        the same transaction: a link that leaked with the rest enrolled its holder as the person afterwards, a
+        fresh passkey and session the revocation was meant to end. A link made afterwards works."""
         now = self.clock()
 
         def op(tx: Tx) -> list[str]:
@@ -346,6 +351,11 @@ class AccountStore:
                     (now, by, found),
                 )
                 tx.run("DELETE FROM web_sessions WHERE credential_id = ?", (found,))
+            if credential_id is None:
+                tx.run(
+                    "UPDATE people_invites SET expires_at = ? WHERE person = ? AND used_at IS NULL AND expires_at > ?",
+                    (now, person, now),
+                )
             return ids
 
         writer = await self.tables.writer()

@@ -52,7 +52,7 @@ from aiohttp import web
 
 from kazma.bot.console.challenge_share import REFUSED
 from kazma.bot.console.forwarded import ClientAddresses
-from kazma.bot.console.hosts import Hosts
+from kazma.bot.console.hosts import Hosts, logged_path
 from kazma.bot.console.login_throttle import LOGINS, LoginThrottle
 from kazma.bot.console.pages import SignInChoices, login_page, message_page
 from kazma.bot.console.sessions import Opening, SessionStore, StoredSession
@@ -241,8 +241,15 @@ def load_tokens(token_path: Path, *, operator_token: str | None = None, reader_t
     return Tokens(operator, reader, tuple(generated))
 
 
+def client_bytes(text: str) -> bytes:
+    """What a client sent where a token is expected, as bytes to hash or compare. A header's bytes that are no
+    UTF-8 (aiohttp keeps them as surrogates) and a JSON string's lone surrogates become bytes no token of ours
+    holds: a refusal like any wrong token, not a 500 on every page for a cookie a sibling host planted."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    return hashlib.sha256(client_bytes(token)).hexdigest()
 
 
 def session_hash(session_token: str) -> str:
@@ -266,8 +273,9 @@ def _proof_digest(proof: Proof, identity: str) -> str:
     return hashlib.sha256(f"{proof.value}\n{identity}".encode()).hexdigest()
 
 
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
+def same_token(a: str, b: str) -> bool:
+    """Whether two tokens are equal, in constant time, whatever bytes the client sent."""
+    return hmac.compare_digest(client_bytes(a), client_bytes(b))
 
 
 def safe_next(value: str | None, default: str) -> str:
@@ -364,8 +372,8 @@ class WebAuth:
 
     def role_for(self, token: str) -> Role | None:
         # both compared every time, so the answer's timing says nothing about which one was close
-        operator = _same(token, self.tokens.operator)
-        reader = _same(token, self.tokens.reader)
+        operator = same_token(token, self.tokens.operator)
+        reader = same_token(token, self.tokens.reader)
         if operator:
             return Role.OPERATOR
         return Role.READER if reader else None
@@ -559,7 +567,7 @@ class WebAuth:
         """Whether the stored session is still bound to what made it: the person's proof, or the shared token
         as it is now (a rotated token ends the sessions made with it)."""
         bound = _proof_digest(proof, stored.identity or "") if proof.proves_a_person else self._current_digest(role)
-        return _same(stored.binding, session_binding(sid, bound))
+        return same_token(stored.binding, session_binding(sid, bound))
 
     @web.middleware
     async def keep_flash(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -610,7 +618,7 @@ class WebAuth:
             return  # the browser vouches for it, or did not say: the CSRF token still has to match
         else:
             refused = origin
-        log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=request.path)
+        log.warning("web.origin_refused", origin=refused[:200], expected=sorted(own), path=logged_path(request.path))
         raise web.HTTPForbidden(text=message_page("Refused", ORIGIN_REFUSED), content_type="text/html")
 
     # -- what the door let in ----------------------------------------------------------------------
@@ -638,7 +646,7 @@ class WebAuth:
             if isinstance(value, str):  # uploads are never expected; they are ignored
                 fields.setdefault(key, value)
         supplied = request.headers.get(CSRF_HEADER) or fields.get("csrf") or ""
-        if not supplied or not _same(supplied, session.csrf):
+        if not supplied or not same_token(supplied, session.csrf):
             log.warning("web.csrf_refused", login=session.login, path=request.path)
             raise web.HTTPForbidden(
                 text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html"
@@ -661,7 +669,7 @@ class WebAuth:
         data = await request.post()
         field = data.get("csrf")
         cookie = request.cookies.get(self.cookie(LOGIN_CSRF_COOKIE), "")
-        if not isinstance(field, str) or not field or not cookie or not _same(field, cookie):
+        if not isinstance(field, str) or not field or not cookie or not same_token(field, cookie):
             raise web.HTTPForbidden(
                 text=message_page("Refused", CSRF_REFUSED, link=("/login", "Log in")), content_type="text/html"
             )

@@ -24,6 +24,7 @@ preflight the door never answers), and their clients may reach Kazma by an inter
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable
 
 import structlog
@@ -34,6 +35,14 @@ log = structlog.get_logger("kazma.web")
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 _MAX_LOGGED = 200  # a Host header is the client's words: logged bounded
+# Paths whose next segment is a secret: an enrolment link's token (it enrols a passkey as its person) and kazma
+# demo's one-time sign-in. A refusal logged with the whole path put a still usable link in the log.
+_SECRET_SEGMENT = re.compile(r"^(/enrol/|/login/local/)[^/]+")
+
+
+def logged_path(path: str) -> str:
+    """``path`` as a log may keep it: a secret segment replaced by ``…``, the whole bounded."""
+    return _SECRET_SEGMENT.sub(r"\1…", path)[:_MAX_LOGGED]
 
 
 def host_name(value: str) -> str | None:
@@ -82,7 +91,7 @@ class Hosts:
         if self.ours(host):
             return
         said = (host or "")[:_MAX_LOGGED]
-        log.warning("web.host_refused", host=said, path=request.path, expected=sorted(self.names))
+        log.warning("web.host_refused", host=said, path=logged_path(request.path), expected=sorted(self.names))
         raise web.HTTPMisdirectedRequest(
             text=(
                 f"This Kazma console does not answer to the name {said!r}. It is served as {self.public} "

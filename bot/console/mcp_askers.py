@@ -70,7 +70,7 @@ def jsonrpc(body: bytes) -> dict[str, Any] | None:
     """The one JSON-RPC message ``body`` holds, or None (not JSON, a batch, not an object)."""
     try:
         message = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past the parser's stack
         return None
     return message if isinstance(message, dict) else None
 

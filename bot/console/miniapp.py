@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 
 from kazma.adapters.web.render import e
-from kazma.bot.console.auth import Proof, WebAuth, html_response
+from kazma.bot.console.auth import Proof, WebAuth, client_bytes, html_response, same_token
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import PEOPLE_SCRIPT, layout
 from kazma.config.address import Actor
@@ -65,7 +65,8 @@ def _secret(bot_token: str) -> bytes:
 def sign_init_data(fields: dict[str, str], bot_token: str) -> str:
     """``fields`` with their hash, as Telegram signs them (the data-check string: sorted ``name=value`` lines)."""
     check = "\n".join(f"{key}={value}" for key, value in sorted(fields.items()))
-    return hmac.new(_secret(bot_token), check.encode("utf-8"), hashlib.sha256).hexdigest()
+    # the fields are the client's words (JSON may carry lone surrogates): hashed as bytes, never a 500
+    return hmac.new(_secret(bot_token), client_bytes(check), hashlib.sha256).hexdigest()
 
 
 def verify_init_data(init_data: str, bot_token: str, *, now: float | None = None) -> TelegramVisitor:
@@ -84,7 +85,7 @@ def verify_init_data(init_data: str, bot_token: str, *, now: float | None = None
         raise InitDataRefused("a field of initData is given twice")
     supplied = fields.pop("hash", "")
     expected = sign_init_data(fields, bot_token)
-    if not hmac.compare_digest(expected.encode(), supplied.encode("utf-8")):
+    if not same_token(expected, supplied):
         raise InitDataRefused("its signature is not this bot's (changed, or made for another bot)")
     try:
         auth_date = int(fields["auth_date"])
@@ -125,10 +126,9 @@ class TelegramApp:
         value = secrets.token_urlsafe(24)
         approval = request.query.get("approval", "")
         response = html_response(telegram_app_page(value, approval if _REQUEST_ID.fullmatch(approval) else None))
-        response.set_cookie(
-            APP_CSRF_COOKIE, value, httponly=True, samesite="Strict", path=request.path, secure=self.auth.secure,
-            max_age=600,
-        )  # fmt: skip
+        # __Host- over https, as every sign-in cookie: a sibling host could otherwise plant its own pair (a login
+        # CSRF into the planter's Telegram identity, held off by the origin check alone)
+        self.auth.set_sign_in_cookie(response, APP_CSRF_COOKIE, value, samesite="Strict", max_age=600)
         return response
 
     async def sign_in(self, request: web.Request) -> web.Response:
@@ -138,13 +138,13 @@ class TelegramApp:
         raw = await request.content.read(MAX_INIT_DATA * 2)
         try:
             body = json.loads(raw or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # nested thousands deep: the parser's stack, not a 500
             raise _json_error(web.HTTPBadRequest, "expected JSON") from None
         if not isinstance(body, dict):
             raise _json_error(web.HTTPBadRequest, "expected a JSON object")
-        cookie = request.cookies.get(APP_CSRF_COOKIE, "")
+        cookie = request.cookies.get(self.auth.cookie(APP_CSRF_COOKIE), "")
         field = str(body.get("csrf") or "")
-        if not cookie or not field or not hmac.compare_digest(cookie.encode(), field.encode("utf-8")):
+        if not cookie or not field or not same_token(cookie, field):
             raise _json_error(web.HTTPForbidden, "open this page from the card's button in Telegram")
         try:
             visitor = verify_init_data(str(body.get("init_data") or ""), self.token)
@@ -173,7 +173,7 @@ class TelegramApp:
         next_page = f"/swarm?approval={approval}" if _REQUEST_ID.fullmatch(approval) else "/swarm"
         response = web.json_response({"ok": True, "next": next_page, "who": session.who})
         self.auth.set_cookie(response, session)
-        response.del_cookie(APP_CSRF_COOKIE, path=request.path)
+        self.auth.drop_sign_in_cookie(response, APP_CSRF_COOKIE)
         return response
 
 

@@ -11,7 +11,6 @@ verified the answer (:mod:`~kazma.bot.console.passkeys`).
 
 from __future__ import annotations
 
-import hmac
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from kazma.bot.console.accounts import (
     TooManyChallenges,
     digest,
 )
-from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next
+from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next, same_token
 from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
@@ -67,6 +66,18 @@ def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPExcept
     return status(text=json.dumps({"error": message}), content_type="application/json")
 
 
+async def read_answer(request: web.Request) -> Any:
+    """An authenticator's answer (enrolment, sign-in, step-up): JSON of at most :data:`MAX_ANSWER` bytes, or a
+    4xx JSON error saying what is wrong with it."""
+    raw = await request.content.read(MAX_ANSWER + 1)
+    if len(raw) > MAX_ANSWER:
+        raise _json_error(web.HTTPRequestEntityTooLarge, "the answer is too large")
+    try:
+        return json.loads(raw or b"{}")
+    except (ValueError, RecursionError):  # arrays nested thousands deep exhaust the parser's stack: a 500 before
+        raise _json_error(web.HTTPBadRequest, "the answer is not JSON") from None
+
+
 @dataclass
 class LocalLogin:
     """``kazma demo``'s identity for the browser it opens: a person signed in by a one-time link the demo
@@ -95,15 +106,6 @@ class SignIn:
 
     def _ceremony(self, response: web.StreamResponse, handle: str) -> None:
         self.auth.set_sign_in_cookie(response, CEREMONY_COOKIE, handle, samesite="Strict", max_age=CHALLENGE_SECONDS)
-
-    async def _answer(self, request: web.Request) -> Any:
-        raw = await request.content.read(MAX_ANSWER + 1)
-        if len(raw) > MAX_ANSWER:
-            raise _json_error(web.HTTPRequestEntityTooLarge, "the answer is too large")
-        try:
-            return json.loads(raw or b"{}")
-        except ValueError:
-            raise _json_error(web.HTTPBadRequest, "the answer is not JSON") from None
 
     def _origins(self, request: web.Request) -> list[str]:
         return self.rp.origins(str(request.url.origin()))
@@ -172,7 +174,7 @@ class SignIn:
     async def enrol(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
         token = request.match_info["token"]
-        answer = await self._answer(request)
+        answer = await read_answer(request)
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ENROL
         )
@@ -220,7 +222,7 @@ class SignIn:
 
     async def sign_in(self, request: web.Request) -> web.Response:
         self.auth.check_origin(request)
-        answer = await self._answer(request)
+        answer = await read_answer(request)
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.SIGN_IN
         )
@@ -292,7 +294,7 @@ class SignIn:
     async def local_sign_in(self, request: web.Request) -> web.Response:
         local = self.local
         token = request.match_info["token"]
-        if local is None or local.used or not hmac.compare_digest(token.encode(), local.token.encode()):
+        if local is None or local.used or not same_token(token, local.token):
             raise web.HTTPGone(text=gone_page(InviteState.USED, "This sign-in link is used or unknown."),
                                content_type="text/html")  # fmt: skip
         local.used = True

@@ -13,9 +13,7 @@ ceremony cookie, as at sign-in.
 
 from __future__ import annotations
 
-import hmac
 import json
-from typing import Any
 
 import structlog
 from aiohttp import web
@@ -23,7 +21,7 @@ from aiohttp import web
 from kazma.approvals.model import Decision
 from kazma.approvals.service import ApprovalService
 from kazma.bot.console.accounts import CHALLENGE_SECONDS, AccountStore, Purpose
-from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth, same_token
 from kazma.bot.console.pages import approval_href
 from kazma.bot.console.passkeys import (
     PasskeyRefused,
@@ -32,7 +30,7 @@ from kazma.bot.console.passkeys import (
     credential_id_of,
     verify_assertion,
 )
-from kazma.bot.console.signin import CEREMONY_COOKIE, MAX_ANSWER
+from kazma.bot.console.signin import CEREMONY_COOKIE, read_answer
 from kazma.config.metrics import count_failure
 
 log = structlog.get_logger("kazma.web.step_up")
@@ -63,7 +61,7 @@ class StepUp:
         if not supplied and request.content_type == "application/x-www-form-urlencoded":
             field = (await request.post()).get("csrf")
             supplied = field if isinstance(field, str) else ""
-        if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
+        if not supplied or not same_token(supplied, session.csrf):
             log.warning("web.csrf_refused", login=session.login, path=request.path)
             raise _json_error(web.HTTPForbidden, CSRF_REFUSED)
         if session.person is None:
@@ -93,13 +91,7 @@ class StepUp:
         session, request_id = await self._session(request)
         person = session.person
         assert person is not None
-        raw = await request.content.read(MAX_ANSWER + 1)
-        if len(raw) > MAX_ANSWER:
-            raise _json_error(web.HTTPRequestEntityTooLarge, "the answer is too large")
-        try:
-            answer: Any = json.loads(raw or b"{}")
-        except ValueError:
-            raise _json_error(web.HTTPBadRequest, "the answer is not JSON") from None
+        answer = await read_answer(request)
         challenge = await self.accounts.take_challenge(
             request.cookies.get(self.auth.cookie(CEREMONY_COOKIE), ""), Purpose.ASSERT
         )

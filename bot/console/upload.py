@@ -9,7 +9,6 @@ nothing of a forged request is read beyond it. Over a bound: a clear message for
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from aiohttp import BodyPartReader, web
 
 from kazma.adapters.admission import FileBounds, human_size
 from kazma.adapters.contract import Attachment
-from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth
+from kazma.bot.console.auth import CSRF_HEADER, CSRF_REFUSED, Session, WebAuth, same_token
 from kazma.bot.console.pages import message_page
 
 log = structlog.get_logger("kazma.web")
@@ -99,7 +98,7 @@ async def read_upload(request: web.Request, auth: WebAuth, bounds: FileBounds) -
     elif not supplied:  # a plain form (within the server's small body bound): its token, then a clear 400
         field = (await request.post()).get("csrf")
         supplied = field if isinstance(field, str) else ""
-    if not supplied or not hmac.compare_digest(supplied.encode(), session.csrf.encode()):
+    if not supplied or not same_token(supplied, session.csrf):
         log.warning("web.csrf_refused", login=session.login, path=request.path)
         raise web.HTTPForbidden(text=message_page("Refused", CSRF_REFUSED, viewer=session), content_type="text/html")
     if reader is None:
