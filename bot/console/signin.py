@@ -297,6 +297,10 @@ class SignIn:
         if local is None or local.used or not same_token(token, local.token):
             raise web.HTTPGone(text=gone_page(InviteState.USED, "This sign-in link is used or unknown."),
                                content_type="text/html")  # fmt: skip
+        if request.method == "HEAD":
+            # aiohttp serves HEAD through this handler: a link checker's or a preview's HEAD used the link up
+            # (and opened a session nobody holds), and the person's own GET then met 410. HEAD changes nothing.
+            return web.Response(status=200, content_type="text/html")
         local.used = True
         await self.auth.end_previous(request)
         session = await self.auth.open_person_session(Proof.LOCAL, str(Actor("web", local.person)))
