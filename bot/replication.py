@@ -136,7 +136,13 @@ class Replication:
         self._lead = lead
         self._follow = follow
         self.lease = LeaderLease(
-            conninfo, name="kazma", replica=replica, on_acquired=self._acquired, on_lost=self._lost, timing=timing
+            conninfo,
+            name="kazma",
+            replica=replica,
+            on_acquired=self._acquired,
+            on_lost=self._lost,
+            timing=timing,
+            on_locked=self._locked,
         )
         self.listener = PgListener(
             conninfo,
@@ -239,10 +245,12 @@ class Replication:
         return recovery
 
     async def record_inbound(self) -> None:
-        """While leading: record each singleton ingress's state for the followers' ``/healthz`` when one changed
-        since the last record (or the lease session did: a row is trusted only on the session that wrote it)."""
+        """While leading (or holding the lock, waiting out the old leader's grace): record each singleton ingress's
+        state for the followers' ``/healthz`` when one changed since the last record (or the lease session did: a
+        row is trusted only on the session that wrote it)."""
         pid = self.lease.backend_pid
-        if pid is None or not self.is_leader or not isinstance(self.bus, FanOutBus):
+        holds = self.is_leader or self.lease.holds_lock
+        if pid is None or not holds or not isinstance(self.bus, FanOutBus):
             return
         fresh = pid != self._recorded_on
         now = time.time()
@@ -295,6 +303,16 @@ class Replication:
         )
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------
+
+    async def _locked(self) -> None:
+        """The lock is this replica's; it leads once the old leader's grace is waited out (3.5 s by default).
+        Recorded now: meanwhile the other replicas read a holder with no record at all, taken for a replica of an
+        earlier release, and said "serving through the leader" with 200 of connections nobody had open."""
+        try:
+            await self.record_inbound()
+        except Exception as exc:  # the leader's record loop writes again once it leads
+            count_failure("inbound_record")
+            log.warning("replica.inbound_record_failed", replica=self.replica, error=str(exc))
 
     async def _acquired(self) -> None:
         log.warning("replica.leading", replica=self.replica)
