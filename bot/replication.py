@@ -31,7 +31,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.store.pg_listen import PgListener
 from kazma.config.store.postgres import PgStore
-from kazma.config.store.replicas import lease_session, live_replicas
+from kazma.config.store.replicas import lease_session, live_replicas, read_only
 from kazma.config.supervisor import Supervisor
 from kazma.config.waits import bounded
 
@@ -97,16 +97,20 @@ class ReplicaHealth:
     leader_inbound: LeaderInbound | None = None
     # This replica's lease session holds the lock (the leader, or one waiting out the old leader's grace)
     holds_lease: bool = False
+    # The store answers reads and refuses writes (a hot standby, default_transaction_read_only): no press decides
+    store_read_only: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.store_reachable
+        return self.store_reachable and not self.store_read_only
 
     def lines(self) -> list[str]:
         lines = [
             f"replica {self.replica}: {'leader' if self.leader else 'follower'}",
             f"lease held by {self.holder or 'nobody'}",
-            f"store {'reachable' if self.store_reachable else 'unreachable'}",
+            "store reachable, refusing writes (read-only)"
+            if self.store_reachable and self.store_read_only
+            else f"store {'reachable' if self.store_reachable else 'unreachable'}",
             f"wake-ups {'on' if self.listening else 'off (the safety scan covers them)'}",
         ]
         if self.problem:
@@ -277,7 +281,13 @@ class Replication:
         leader = self.is_leader
         pid = self.lease.backend_pid
 
+        refuses = False
+
         async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
+            nonlocal refuses
+            # "reachable" was told by reads alone: a database that refuses writes answered 200 on every replica
+            # while every press failed to record its decision.
+            refuses = await read_only(self.store.pool)
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a
@@ -299,7 +309,15 @@ class Replication:
         # Told by the session alone: the name the database shows is cut at 63 bytes, the replica's may be longer.
         holds = leader or (held is not None and pid is not None and held[1] == pid)
         return ReplicaHealth(
-            self.replica, leader, holder, reachable, self.listener.connected, problem, inbound, holds_lease=holds
+            self.replica,
+            leader,
+            holder,
+            reachable,
+            self.listener.connected,
+            problem,
+            inbound,
+            holds_lease=holds,
+            store_read_only=reachable and refuses,
         )
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------

@@ -639,3 +639,52 @@ async def test_a_follower_says_since_when_the_leaders_connection_is_down_across_
 
 async def _states(rows: Awaitable[list[tuple[str, str, float]]], state: str) -> bool:
     return [s for s, _, _ in await rows] == [state]
+
+
+async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "store reachable" was told by reads alone: a database answering reads and refusing every write (the DSN
+    naming a hot standby after a failover, default_transaction_read_only) had every replica answer 200 "ok" while
+    no press could record its decision."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+        served(a, tmp_path / "a") as url,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
+    ):
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+        assert "store reachable" in lines, lines
+        database = psycopg.sql.Identifier(admin.info.dbname)
+        await admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+        )
+        await admin.execute(  # every session starts again, read-only
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        )
+        assert isinstance(a.stores.pg, PgStore)
+
+        tables = tables_of(a.stores.pg)
+
+        async def write_refused() -> bool:  # the pool's connections were ended: an attempt may meet a closed one
+            try:
+                await tables.run("DELETE FROM leader_inbound WHERE replica = 'nobody'")
+            except psycopg.errors.ReadOnlySqlTransaction:
+                return True
+            except psycopg.OperationalError:
+                return False
+            return False
+
+        await until(write_refused, timeout=15.0)  # what a press's decision meets now
+
+        async def refused() -> bool:
+            return (await healthz(url))[0] == 503
+
+        await until(refused, timeout=15.0)
+        status, lines = await healthz(url)
+        assert lines[0].startswith("not deciding: the store refuses writes"), lines
+        assert "store reachable, refusing writes (read-only)" in lines, lines
+        await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
