@@ -103,6 +103,8 @@ INBOUND_NOT_OPEN: Final = "not open"
 INBOUND_OPENING: Final = "opening"
 # A replica's own line for an ingress it leads for and has not been asked to open yet.
 OPENING_WITH_THE_LEASE: Final = "inbound connection opening: this replica took the lease and starts the leader's duties"
+# What such a replica records of it for the followers (from the moment its session holds the lease's lock).
+TOOK_THE_LEASE: Final = "it took the lease and starts the leader's duties"
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,10 @@ def _through_leader(name: str, leader: LeaderInbound | None) -> PlatformHealth:
     if state.state == INBOUND_FAILING:
         return PlatformHealth(name, False, f"leader {leader.replica}: inbound failing since {at} ({state.detail})")
     if state.state == INBOUND_OPENING:  # no press comes in through it yet: down, as the leader's own line is
-        return PlatformHealth(name, False, f"leader {leader.replica}: inbound connection opening since {at}")
+        # With the reason the leader recorded (a 4004 that closed the gateway, a 401 that ended the polling): the
+        # leader's own line said it, the followers' did not.
+        why = f" ({state.detail})" if state.detail else ""
+        return PlatformHealth(name, False, f"leader {leader.replica}: inbound connection opening since {at}{why}")
     return PlatformHealth(
         name, False, f"leader {leader.replica}: inbound connection not open since {at} ({state.detail})"
     )
@@ -291,6 +296,9 @@ class FanOutBus:
         # then. The adapter counts one as running from the moment its open begins (Discord's until READY), and
         # from then on no longer says its own trouble (Discord's closed gateway, Telegram's ended poller).
         self._opening: dict[str, tuple[float, str | None]] = {}
+        # While leading: since when (wall clock) each singleton ingress has not been open, across the opens tried
+        # again meanwhile (each "opening" between two "not open" records restarted the followers' "since").
+        self._down_since: dict[str, float] = {}
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -459,18 +467,27 @@ class FanOutBus:
                 continue
             if name in self._started and not self._leading and _reopens(adapter):
                 # The lease is this replica's and the leader's duties are starting: the ingress is about to open.
+                self._down_since.pop(name, None)  # an earlier leadership's outage is not this one's
                 at = _kept(since, name, INBOUND_OPENING, now)
-                states[name] = InboundState(INBOUND_OPENING, f"inbound connection opening since {_clock_time(at)}", at)
+                states[name] = InboundState(INBOUND_OPENING, TOOK_THE_LEASE, at)
                 continue
             if name in self._started and name in self._opening:
-                states[name] = InboundState(INBOUND_OPENING, self._health(name, adapter).state, self._opening[name][0])
+                # The detail is the reason alone (a follower's line says it after its own "opening since").
+                began, why = self._opening[name]
+                states[name] = InboundState(INBOUND_OPENING, f"it was not open: {why}" if why else "", began)
                 continue
             if name in self._started and single.ingress_running:
+                self._down_since.pop(name, None)
                 health = self._health(name, adapter)
                 state, detail = (INBOUND_OPEN if health.takes_presses else INBOUND_FAILING), health.state
             elif name in self._started:
                 state = INBOUND_NOT_OPEN
                 detail = self._ingress_failed.get(name) or ingress_trouble(adapter) or "it closed"
+                # Down since it was first found so, whatever opens were tried since: an hour's outage of a
+                # platform retried every minute read as a minute's.
+                down = self._down_since.setdefault(name, _kept(since, name, state, now))
+                states[name] = InboundState(state, detail, down)
+                continue
             else:
                 state, detail = INBOUND_NOT_OPEN, self._health(name, adapter).state
             states[name] = InboundState(state, detail, _kept(since, name, state, now))

@@ -31,7 +31,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.store.leader import LeaderLease, LeaseTiming, default_replica
 from kazma.config.store.pg_listen import PgListener
 from kazma.config.store.postgres import PgStore
-from kazma.config.store.replicas import lease_session, live_replicas
+from kazma.config.store.replicas import lease_session, live_replicas, read_only
 from kazma.config.supervisor import Supervisor
 from kazma.config.waits import bounded
 
@@ -97,16 +97,20 @@ class ReplicaHealth:
     leader_inbound: LeaderInbound | None = None
     # This replica's lease session holds the lock (the leader, or one waiting out the old leader's grace)
     holds_lease: bool = False
+    # The store answers reads and refuses writes (a hot standby, default_transaction_read_only): no press decides
+    store_read_only: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.store_reachable
+        return self.store_reachable and not self.store_read_only
 
     def lines(self) -> list[str]:
         lines = [
             f"replica {self.replica}: {'leader' if self.leader else 'follower'}",
             f"lease held by {self.holder or 'nobody'}",
-            f"store {'reachable' if self.store_reachable else 'unreachable'}",
+            "store reachable, refusing writes (read-only)"
+            if self.store_reachable and self.store_read_only
+            else f"store {'reachable' if self.store_reachable else 'unreachable'}",
             f"wake-ups {'on' if self.listening else 'off (the safety scan covers them)'}",
         ]
         if self.problem:
@@ -136,7 +140,13 @@ class Replication:
         self._lead = lead
         self._follow = follow
         self.lease = LeaderLease(
-            conninfo, name="kazma", replica=replica, on_acquired=self._acquired, on_lost=self._lost, timing=timing
+            conninfo,
+            name="kazma",
+            replica=replica,
+            on_acquired=self._acquired,
+            on_lost=self._lost,
+            timing=timing,
+            on_locked=self._locked,
         )
         self.listener = PgListener(
             conninfo,
@@ -239,10 +249,12 @@ class Replication:
         return recovery
 
     async def record_inbound(self) -> None:
-        """While leading: record each singleton ingress's state for the followers' ``/healthz`` when one changed
-        since the last record (or the lease session did: a row is trusted only on the session that wrote it)."""
+        """While leading (or holding the lock, waiting out the old leader's grace): record each singleton ingress's
+        state for the followers' ``/healthz`` when one changed since the last record (or the lease session did: a
+        row is trusted only on the session that wrote it)."""
         pid = self.lease.backend_pid
-        if pid is None or not self.is_leader or not isinstance(self.bus, FanOutBus):
+        holds = self.is_leader or self.lease.holds_lock
+        if pid is None or not holds or not isinstance(self.bus, FanOutBus):
             return
         fresh = pid != self._recorded_on
         now = time.time()
@@ -269,7 +281,13 @@ class Replication:
         leader = self.is_leader
         pid = self.lease.backend_pid
 
+        refuses = False
+
         async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
+            nonlocal refuses
+            # "reachable" was told by reads alone: a database that refuses writes answered 200 on every replica
+            # while every press failed to record its decision.
+            refuses = await read_only(self.store.pool)
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a
@@ -291,10 +309,28 @@ class Replication:
         # Told by the session alone: the name the database shows is cut at 63 bytes, the replica's may be longer.
         holds = leader or (held is not None and pid is not None and held[1] == pid)
         return ReplicaHealth(
-            self.replica, leader, holder, reachable, self.listener.connected, problem, inbound, holds_lease=holds
+            self.replica,
+            leader,
+            holder,
+            reachable,
+            self.listener.connected,
+            problem,
+            inbound,
+            holds_lease=holds,
+            store_read_only=reachable and refuses,
         )
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------
+
+    async def _locked(self) -> None:
+        """The lock is this replica's; it leads once the old leader's grace is waited out (3.5 s by default).
+        Recorded now: meanwhile the other replicas read a holder with no record at all, taken for a replica of an
+        earlier release, and said "serving through the leader" with 200 of connections nobody had open."""
+        try:
+            await self.record_inbound()
+        except Exception as exc:  # the leader's record loop writes again once it leads
+            count_failure("inbound_record")
+            log.warning("replica.inbound_record_failed", replica=self.replica, error=str(exc))
 
     async def _acquired(self) -> None:
         log.warning("replica.leading", replica=self.replica)

@@ -36,7 +36,7 @@ from kazma.config.store.postgres import PgStore
 from kazma.config.waits import bounded
 from tests.audit_support import AUDIT_KEY
 from tests.fakes.telegram import Fault
-from tests.platforms_support import Fakes, adapters_for, three_fakes
+from tests.platforms_support import TG_ADMIN, TG_CHAT, Fakes, adapters_for, three_fakes
 from tests.store_backends import replica_store
 from tests.test_healthz_platforms import healthz, served
 
@@ -420,7 +420,7 @@ async def _not_empty(rows: Awaitable[list[T]]) -> bool:
 
 def test_an_opening_connection_the_leader_recorded_counts_as_down_for_the_503_rule() -> None:
     """Nothing comes in through a connection being opened: a follower counts it down, as the leader does its own."""
-    recorded = {"discord": InboundState(bus.INBOUND_OPENING, "inbound connection opening since 00:00:01 UTC", 1.0)}
+    recorded = {"discord": InboundState(bus.INBOUND_OPENING, "", 1.0)}
     health = bus._through_leader("discord", bus.LeaderInbound("b", recorded))
     assert health == bus.PlatformHealth("discord", False, "leader b: inbound connection opening since 00:00:01 UTC")
 
@@ -494,3 +494,197 @@ async def test_a_replica_holding_the_lock_while_it_waits_out_the_grace_does_not_
         assert not replication.is_leader  # still waiting out the grace
         for platform in ("telegram", "discord"):
             assert line_of(lines, platform) == f"platform {platform}: {bus.OPENING_WITH_THE_LEASE}", lines
+
+
+async def test_the_other_replicas_say_a_replica_waiting_out_the_grace_is_opening_not_serving(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that took the lock waits out the old leader's grace before it leads, and recorded nothing
+    meanwhile: the other replicas took a holder with no record for a replica of an earlier release and answered
+    200 "serving through the leader (a), which records no inbound state" of Telegram's polling and Discord's
+    gateway, which nobody had open (3.5 s by default, at every leader change). It records "opening" as soon as it
+    holds the lock, and the others say so, counted down."""
+    slow = LeaseTiming(check_interval=30.0, check_timeout=0.3, retry_interval=0.1, server_drop_after=60.0)
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, slow)
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press on either replica
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x:
+            await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+            async with (
+                replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+                served(a, tmp_path / "a") as a_url,
+                served(b, tmp_path / "b") as b_url,
+            ):
+                assert a.replication is not None
+                assert b.replication is not None
+                ra, rb = a.replication, b.replication
+                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+
+                async def lock_taken() -> bool:
+                    lines = (await healthz(a_url))[1]
+                    return "lease held by a" in lines or "lease held by b" in lines
+
+                await until(lock_taken)
+                holder, other_url = ("a", b_url) if "lease held by a" in (await healthz(a_url))[1] else ("b", a_url)
+                assert not ra.is_leader  # the grace (30 s here) is still being waited out
+                assert not rb.is_leader
+
+                assert isinstance(a.stores.pg, PgStore)
+                tables = tables_of(a.stores.pg)
+
+                async def holder_recorded() -> bool:
+                    return bool(await tables.all("SELECT 1 FROM leader_inbound WHERE replica = ?", (holder,)))
+
+                # Within the grace (30 s here); before, the holder recorded nothing until it led.
+                await until(holder_recorded, timeout=10.0)
+                status, lines = await healthz(other_url)
+                assert not ra.is_leader, lines
+                assert not rb.is_leader, lines
+                for platform in ("telegram", "discord"):
+                    assert re.fullmatch(
+                        rf"platform {platform}: leader {holder}: inbound connection opening since {SINCE}"
+                        rf" \({re.escape(bus.TOOK_THE_LEASE)}\)",
+                        line_of(lines, platform),
+                    ), lines
+                assert (status, lines[0]) == (503, STRANDED), lines
+
+
+@contextlib.asynccontextmanager
+async def _telegram_refused_on_the_leader(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Fakes, bus.FanOutBus, str, Callable[[], Awaitable[list[tuple[str, str, float]]]]]]:
+    """Leader a (its polling ended by Telegram's 401, recorded not open, nothing opening it again by itself) and
+    follower b, served: yields the fakes, a's bus, b's URL and a reader of a's record of Telegram (state, detail,
+    since)."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # only the test opens it again
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        replication = a.replication
+        assert replication is not None
+        await until(lambda: _true(replication.is_leader))
+        assert isinstance(a.stores.pg, PgStore)
+        assert isinstance(a.bus, bus.FanOutBus)
+        tables = tables_of(a.stores.pg)
+
+        async def record() -> list[tuple[str, str, float]]:
+            rows = await tables.all(
+                "SELECT state, detail, since FROM leader_inbound WHERE platform = 'telegram' AND replica = 'a'"
+            )
+            return [(str(s), str(d), float(t)) for s, d, t in rows]
+
+        async def recorded(state: str) -> bool:
+            return [s for s, _, _ in await record()] == [state]
+
+        await until(lambda: recorded(bus.INBOUND_OPEN))
+        async with replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b, served(b, tmp_path / "b") as b_url:
+            await fakes.telegram.wait_for_call("getUpdates", answered=False)
+            fakes.telegram.script("getUpdates", *[Fault.server_error(401, "Unauthorized")] * 10_000)
+            fakes.telegram.push_message(TG_CHAT, TG_ADMIN, "wakes the long poll; the next one meets the 401")
+            await until(lambda: recorded(bus.INBOUND_NOT_OPEN))
+            yield fakes, a.bus, b_url, record
+
+
+async def test_a_follower_says_why_the_leaders_connection_was_not_open_while_the_leader_opens_it_again(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's own line said "inbound connection opening since ... (it was not open: <Telegram's 401>)"; a
+    follower's said only "leader a: inbound connection opening since ...": the reason, the one thing that told
+    an operator what to fix, was on one replica of several, behind a load balancer."""
+    async with _telegram_refused_on_the_leader(tmp_path, pg_dsn, monkeypatch) as (fakes, leader_bus, b_url, record):
+        release = asyncio.Event()
+        fakes.telegram.script("deleteWebhook", Fault.answer_held(release))  # the open waits here
+        opening = asyncio.create_task(leader_bus.start_ingress())
+        try:
+            await until(lambda: _states(record(), bus.INBOUND_OPENING))
+            _, lines = await healthz(b_url)
+            line = line_of(lines, "telegram")
+            assert re.fullmatch(
+                rf"platform telegram: leader a: inbound connection opening since {SINCE} \(it was not open: .*\)", line
+            ), lines
+            assert "401" in line or "Unauthorized" in line, lines
+        finally:
+            release.set()
+            await opening
+
+
+async def test_a_follower_says_since_when_the_leaders_connection_is_down_across_the_opens_tried_again(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each open tried again recorded "opening", then "not open" since the moment that open failed: a platform
+    down for an hour, retried every half minute, read on every follower as down for a few seconds."""
+    async with _telegram_refused_on_the_leader(tmp_path, pg_dsn, monkeypatch) as (fakes, leader_bus, b_url, record):
+        [(_, _, first)] = await record()
+        for _ in range(2):  # opened again, seen opening, refused again
+            release = asyncio.Event()
+            # Refused before polling begins: never open in between, as a look could otherwise find it.
+            fakes.telegram.script("deleteWebhook", Fault.refused_once(release))
+            opening = asyncio.create_task(leader_bus.start_ingress())
+            try:
+                await until(lambda: _states(record(), bus.INBOUND_OPENING))
+            finally:
+                release.set()
+                await opening  # the bus says and counts the failed open; it does not raise
+            await until(lambda: _states(record(), bus.INBOUND_NOT_OPEN))
+            [(_, _, since)] = await record()
+            assert since == first
+        _, lines = await healthz(b_url)
+        at = bus._clock_time(first)
+        assert line_of(lines, "telegram").startswith(
+            f"platform telegram: leader a: inbound connection not open since {at} ("
+        ), lines
+
+
+async def _states(rows: Awaitable[list[tuple[str, str, float]]], state: str) -> bool:
+    return [s for s, _, _ in await rows] == [state]
+
+
+async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "store reachable" was told by reads alone: a database answering reads and refusing every write (the DSN
+    naming a hot standby after a failover, default_transaction_read_only) had every replica answer 200 "ok" while
+    no press could record its decision."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+        served(a, tmp_path / "a") as url,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
+    ):
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+        assert "store reachable" in lines, lines
+        database = psycopg.sql.Identifier(admin.info.dbname)
+        await admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+        )
+        await admin.execute(  # every session starts again, read-only
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        )
+        assert isinstance(a.stores.pg, PgStore)
+
+        tables = tables_of(a.stores.pg)
+
+        async def write_refused() -> bool:  # the pool's connections were ended: an attempt may meet a closed one
+            try:
+                await tables.run("DELETE FROM leader_inbound WHERE replica = 'nobody'")
+            except psycopg.errors.ReadOnlySqlTransaction:
+                return True
+            except psycopg.OperationalError:
+                return False
+            return False
+
+        await until(write_refused, timeout=15.0)  # what a press's decision meets now
+
+        async def refused() -> bool:
+            return (await healthz(url))[0] == 503
+
+        await until(refused, timeout=15.0)
+        status, lines = await healthz(url)
+        assert lines[0].startswith("not deciding: the store refuses writes"), lines
+        assert "store reachable, refusing writes (read-only)" in lines, lines
+        await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))

@@ -779,8 +779,10 @@ class WebServer:
             lines.append(line)
         stranded = bool(platforms) and not any(p.takes_presses for p in platforms) and not self.services.console_decides
         head = "ok"
-        if health is not None and not health.ok:
+        if health is not None and not health.store_reachable:
             head = "not deciding: the store cannot be reached"
+        elif health is not None and not health.ok:
+            head = "not deciding: the store refuses writes (read-only: a hot standby, or default_transaction_read_only)"
         elif stranded:
             head = "not deciding: no chat platform takes presses and nobody may decide on the console"
         replica = health.lines() if health is not None else []

@@ -137,6 +137,7 @@ class LeaderLease:
         on_acquired: Callable[[], Awaitable[None]] | None = None,
         on_lost: Callable[[str], Awaitable[None]] | None = None,
         timing: LeaseTiming | None = None,
+        on_locked: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.dsn = dsn
         self.name = name
@@ -145,7 +146,9 @@ class LeaderLease:
         self.timing = timing or LeaseTiming()
         self._on_acquired = on_acquired
         self._on_lost = on_lost
+        self._on_locked = on_locked
         self._leader = False
+        self._locked = False  # this session holds the lock (a leader, or one waiting out the old leader's grace)
         self._valid_until = 0.0
         self._became_leader = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -166,6 +169,11 @@ class LeaderLease:
         """True while this replica leads; false as soon as its last proof is older than ``grace``,
         even if the lease's own task has not run since (a stalled event loop must not extend it)."""
         return self._leader and time.monotonic() < self._valid_until
+
+    @property
+    def holds_lock(self) -> bool:
+        """This replica's lease session holds the lock: it leads, or it waits out the old leader's grace first."""
+        return self._locked and self._backend_pid is not None
 
     @property
     def backend_pid(self) -> int | None:
@@ -217,6 +225,7 @@ class LeaderLease:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._caller = None
+        self._locked = False
         if self._leader:
             self._leader = False
             log.info("leader.released", lease=self.name, replica=self.replica)
@@ -259,6 +268,7 @@ class LeaderLease:
                 report_failure(REPLICA_TASK_SITE, self._task_name, exc, restart_in=self.timing.retry_interval)
             finally:
                 self._backend_pid = None
+                self._locked = False
                 self._discard(conn)
             await self._lose(reason)
             await asyncio.sleep(self.timing.retry_interval)
@@ -317,7 +327,10 @@ class LeaderLease:
         while not await self._ask(conn, _TRY_LOCK, (self.key,)):
             await self._idle(conn, t.retry_interval)
         taken = time.monotonic()
+        self._locked = True
         log.info("leader.lock_taken", lease=self.name, replica=self.replica, grace=t.grace)
+        if self._on_locked is not None:  # told at once, not after the grace: the others may read what it says
+            self._calls.put_nowait(("on_locked", self._on_locked))
         while True:
             sent = time.monotonic()
             held = await self._ask(conn, _HOLDING, ((self.key >> 32) & 0xFFFFFFFF, self.key & 0xFFFFFFFF))

@@ -34,6 +34,19 @@ async def live_replicas(pool: AsyncConnectionPool[Any]) -> set[str]:
         return {str(row[0]) for row in await cursor.fetchall()}
 
 
+# Whether this database takes writes: a standby promoted away from (the DSN names a hot standby after a failover)
+# or default_transaction_read_only answers every read and refuses every decision.
+_READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+
+
+async def read_only(pool: AsyncConnectionPool[Any]) -> bool:
+    """Whether a connection of ``pool`` refuses writes (a standby, or a read-only default)."""
+    async with pool.connection() as conn:
+        cursor = await conn.execute(_READ_ONLY)
+        row = await cursor.fetchone()
+        return bool(row and row[0])
+
+
 async def lease_holder(pool: AsyncConnectionPool[Any], key: int) -> str | None:
     """The replica whose session holds the advisory lock ``key`` (a lease's), or None."""
     held = await lease_session(pool, key)

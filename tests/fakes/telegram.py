@@ -306,6 +306,11 @@ class Fault:
         return cls("retry_after", status=429, retry_after=retry_after)
 
     @classmethod
+    def refused_once(cls, release: asyncio.Event, status: int = 401, description: str = "Unauthorized") -> Fault:
+        """Answer ``status`` only once ``release`` is set: a call held, then refused."""
+        return cls("status", status=status, description=description, release=release)
+
+    @classmethod
     def hang(cls) -> Fault:
         """Never answer (until the fake stops)."""
         return cls("hang")
@@ -789,6 +794,8 @@ class FakeTelegram:
         if fault.kind == "hang":
             await self._stopped.wait()
             raise ApiError(503, "Service Unavailable: the fake stopped")
+        if fault.release is not None:
+            await fault.release.wait()
         if fault.kind == "retry_after":
             raise ApiError(
                 429,
