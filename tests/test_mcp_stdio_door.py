@@ -510,3 +510,21 @@ async def test_lines_are_the_same_wherever_the_reads_cut_them() -> None:
     assert await _lines_read([stream[at : at + 4096] for at in range(0, len(stream), 4096)]) == wanted
     # EOF with a line over the limit half let go: it is answered for, and reading ends
     assert await _lines_read([over[: MAX_LINE_BYTES + 1], over[MAX_LINE_BYTES + 1 : -5]]) == [(MAX_LINE_BYTES + 1, 2)]
+
+
+async def test_a_message_of_exactly_the_limit_is_served_whether_crlf_or_lf_ends_it() -> None:
+    """The CR of a CRLF counted toward the limit: a message of exactly ``MAX_LINE_BYTES`` was served when LF ended
+    it and refused as too long when CRLF did. The limit is the message's own now, whichever ends its line, cut
+    anywhere by the pipe; one byte more is refused either way, and a CR that ends no CRLF (EOF after it) counts."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    exact = b'{"id":1,"x":"' + b"a" * (MAX_LINE_BYTES - 15) + b'"}'
+    over = b'{"id":2,"x":"' + b"a" * (MAX_LINE_BYTES - 14) + b'"}'
+    assert (len(exact), len(over)) == (MAX_LINE_BYTES, MAX_LINE_BYTES + 1)
+    for end in (b"\n", b"\r\n"):
+        stream = exact + end + over + end + b'{"id":3}' + end
+        wanted = [exact + end[:-1], (len(over) + len(end) - 1, 2), b'{"id":3}' + end[:-1]]
+        assert await _lines_read([stream]) == wanted, end
+        for cut in (len(exact), len(exact) + 1, len(exact) + len(end) + len(over), len(stream) - 1):
+            assert await _lines_read([stream[:cut], stream[cut:]]) == wanted, (end, cut)
+    assert await _lines_read([exact + b"\r"]) == [(MAX_LINE_BYTES + 1, 1)]  # EOF: that CR is the message's

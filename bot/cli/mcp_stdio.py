@@ -427,12 +427,15 @@ async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes 
     kept = bytearray()
     over: Envelope | None = None
     size = 0
+    # One byte more is held than a message may be: the CR of a CRLF is no part of the message, so a message of
+    # exactly the limit ending in CRLF is served as the same one ending in LF is.
+    held = MAX_LINE_BYTES + 1
     while chunk := await source.read1(_READ_CHUNK):
         start = 0
         while True:
             newline = chunk.find(b"\n", start)
             piece = memoryview(chunk)[start : len(chunk) if newline < 0 else newline]
-            if over is None and len(kept) + len(piece) > MAX_LINE_BYTES:
+            if over is None and len(kept) + len(piece) > held:
                 over, size = Envelope(), len(kept)
                 over.feed(kept)
                 kept = bytearray()  # let go now, not at the newline
@@ -443,15 +446,22 @@ async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes 
                 size += len(piece)
             if newline < 0:
                 break
-            if over is None:
-                yield bytes(kept)
-            else:
-                yield _TooLong(size, over)
+            yield _line_read(kept, over, size, ended=True)
             kept, over, start = bytearray(), None, newline + 1
+    if over is not None or kept:
+        yield _line_read(kept, over, size, ended=False)
+
+
+def _line_read(kept: bytearray, over: Envelope | None, size: int, *, ended: bool) -> bytes | _TooLong:
+    """One line as :func:`_bounded_lines` gives it: ``kept`` whole, or a :class:`_TooLong` when it was let go
+    (``over``) or is one byte over the limit without being a message of the limit and the CR of its CRLF."""
     if over is not None:
-        yield _TooLong(size, over)
-    elif kept:
-        yield bytes(kept)
+        return _TooLong(size, over)
+    if len(kept) > MAX_LINE_BYTES and not (ended and kept.endswith(b"\r")):
+        envelope = Envelope()
+        envelope.feed(kept)
+        return _TooLong(len(kept), envelope)
+    return bytes(kept)
 
 
 def _asks(members: tuple[tuple[str, Any], ...]) -> bool:
