@@ -206,3 +206,35 @@ def test_the_cutter_passes_lines_within_the_bound_and_answers_one_over_it_once()
     assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", True, False)]
     said = list(early.feed(head_first[2000:] + b"\n"))
     assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", False, True)]
+
+
+def test_the_envelope_skips_what_is_nested_without_a_python_step_per_byte() -> None:
+    """The envelope stepped through nested content in Python, one step per bracket and per string: 50 MiB of
+    ``[`` (or of ``"",``, or a list of small records) held the event loop 15-30 s while a line over the limit was
+    let go (the stdio door's client, or an MCP server's answer). It is skipped in C now: the Python calls made
+    do not grow with the bytes skipped, and the id after the nesting is still read where the nesting ends."""
+    import cProfile
+    import pstats
+
+    mib = 1024 * 1024
+    shapes = {
+        "deep": b"[" * mib + b"]" * mib,
+        "pairs": b"[" + b"[]" * (mib // 2) + b"]",
+        "strings": b"[" + b'"",' * (mib // 3) + b'""]',
+        "escapes": b'{"s":"' + b'\\\\\\"' * (mib // 4) + b'"}',
+        "records": b"[" + b'{"a":1,"b":"x]"},' * (mib // 17) + b"{}]",
+    }
+    for name, nested in shapes.items():
+        data = b'{"jsonrpc":"2.0","params":{"x":' + nested + b'},"id":5,"method":"tools/call"}'
+        envelope = Envelope()
+        profile = cProfile.Profile()
+        profile.enable()
+        for at in range(0, len(data), 65536):
+            envelope.feed(data[at : at + 65536])
+        profile.disable()
+        calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+        assert (envelope.request_id, envelope.ids, envelope.kinds) == (5, 1, {b"method"}), name
+        assert calls < 2000, f"{name}: {calls} Python calls for {len(data)} bytes"
+    crowded = Envelope()  # more top-level members than any JSON-RPC message has: another "id" may follow unread
+    crowded.feed(b'{"id":5,"method":"x"' + b',"a":1' * 64 + b"}")
+    assert crowded.request_id is None

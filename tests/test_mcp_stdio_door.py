@@ -510,3 +510,58 @@ async def test_lines_are_the_same_wherever_the_reads_cut_them() -> None:
     assert await _lines_read([stream[at : at + 4096] for at in range(0, len(stream), 4096)]) == wanted
     # EOF with a line over the limit half let go: it is answered for, and reading ends
     assert await _lines_read([over[: MAX_LINE_BYTES + 1], over[MAX_LINE_BYTES + 1 : -5]]) == [(MAX_LINE_BYTES + 1, 2)]
+
+
+async def test_a_message_of_exactly_the_limit_is_served_whether_crlf_or_lf_ends_it() -> None:
+    """The CR of a CRLF counted toward the limit: a message of exactly ``MAX_LINE_BYTES`` was served when LF ended
+    it and refused as too long when CRLF did. The limit is the message's own now, whichever ends its line, cut
+    anywhere by the pipe; one byte more is refused either way, and a CR that ends no CRLF (EOF after it) counts."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    exact = b'{"id":1,"x":"' + b"a" * (MAX_LINE_BYTES - 15) + b'"}'
+    over = b'{"id":2,"x":"' + b"a" * (MAX_LINE_BYTES - 14) + b'"}'
+    assert (len(exact), len(over)) == (MAX_LINE_BYTES, MAX_LINE_BYTES + 1)
+    for end in (b"\n", b"\r\n"):
+        stream = exact + end + over + end + b'{"id":3}' + end
+        wanted = [exact + end[:-1], (len(over) + len(end) - 1, 2), b'{"id":3}' + end[:-1]]
+        assert await _lines_read([stream]) == wanted, end
+        for cut in (len(exact), len(exact) + 1, len(exact) + len(end) + len(over), len(stream) - 1):
+            assert await _lines_read([stream[:cut], stream[cut:]]) == wanted, (end, cut)
+    assert await _lines_read([exact + b"\r"]) == [(MAX_LINE_BYTES + 1, 1)]  # EOF: that CR is the message's
+
+
+async def test_attack_requests_sent_as_stdin_closes_are_each_answered_and_no_call_stays_open(tmp_path: Path) -> None:
+    """The door ended as its lines did, and the SDK's server cancels what it holds then: a request it had not
+    started yet was never answered at all (a tools/list or ping sent with stdin's close, with or without its LF,
+    was dropped without a word, as was a request_approval). What the client asked is answered now before the door
+    ends; a request_approval arriving with the close is abandoned (the client closed stdin: MCP's stdio shutdown),
+    so it is answered as ended and nothing it could have opened stays open on a card."""
+    call = (
+        '{"jsonrpc":"2.0","id":%s,"method":"tools/call","params":{"name":"request_approval","arguments":'
+        '{"tool":"deploy","arguments":{"n":%s},"deadline_seconds":60}}}'
+    )
+    asked = [2, 3, 4, 5, 6, 7]
+    async with kazma_door(tmp_path) as door:
+        async with stdio_door(door) as client:
+            await client.initialise()
+            last = '{"jsonrpc":"2.0","id":7,"method":"tools/list"}'  # no LF: stdin closes right after it
+            client.to_door.write(
+                '{"jsonrpc":"2.0","id":2,"method":"tools/list"}\n{"jsonrpc":"2.0","id":3,"method":"ping"}\n'
+                + call % (4, 4) + "\n" + call % (5, 5) + '\n{"jsonrpc":"2.0","id":6,"method":"ping"}\n' + last
+            )  # fmt: skip
+            client.to_door.close()
+            answered = {}
+            for _ in asked:
+                found = await client.receive()
+                answered[found["id"]] = found
+        rest = await client.from_door.read()
+        assert sorted(answered) == asked, answered
+        assert rest == b"", rest  # each request answered once
+        for listed in (2, 7):
+            assert [tool["name"] for tool in answered[listed]["result"]["tools"]] == ["request_approval"]
+        assert answered[3]["result"] == {}, answered
+        assert answered[6]["result"] == {}, answered
+        for ended in (4, 5):
+            assert answered[ended]["error"]["code"] == -32000, answered[ended]
+        opened = await door.app.service.store.requests(limit=5)
+        assert [request.status.value for request in opened if request.status.value == "pending"] == [], opened

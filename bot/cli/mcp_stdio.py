@@ -32,6 +32,7 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 from mcp_types import (
+    CONNECTION_CLOSED,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
@@ -44,6 +45,9 @@ from mcp_types import (
     GetPromptResult,
     InputRequiredResult,
     JSONRPCError,
+    JSONRPCNotification,
+    JSONRPCRequest,
+    JSONRPCResponse,
     ListPromptsResult,
     ListResourcesResult,
     ListResourceTemplatesResult,
@@ -189,7 +193,13 @@ async def serve_checked(
         # before there is somewhere to answer it
         checked.answers = write_stream
         lowlevel = wire_server(server)
-        await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+        # The server answers through the door, which so learns which requests are still unanswered.
+        answering, answered = anyio.create_memory_object_stream[SessionMessage](0)
+        async with anyio.create_task_group() as relaying:
+            relaying.start_soon(checked.relay, answered)
+            await lowlevel.run(read_stream, answering, lowlevel.create_initialization_options())
+        await checked.answer_abandoned()
+        await write_stream.aclose()
 
 
 def wire_server(server: MCPServer[Any]) -> Server[Any]:
@@ -293,8 +303,64 @@ class _CheckedLines(anyio.AsyncFile[str]):
         super().__init__(cast("IO[str]", lines.wrapped))
         self._lines = lines
         self.answers: Any = None  # the SDK's write stream, once it is open
+        # The requests passed on and not yet answered (nor cancelled by the client), each with its method.
+        self._open: dict[tuple[bool, str | int], str] = {}
+        self._answered = anyio.Event()  # set (and replaced) each time one of them is answered
 
     async def __aiter__(self) -> AsyncIterator[str]:
+        async for line in self._checked():
+            yield line
+        # EOF. The SDK's server cancels every request it holds once the lines end, and one it had not started yet
+        # was never answered at all: a tools/list sent just before stdin closed was dropped without a word. What
+        # the client asked is answered first, within a bound; a tools/call (request_approval) is not waited for:
+        # the client that closed stdin abandoned it (MCP's stdio shutdown), so it is cancelled, which withdraws
+        # what it forwarded, and answered (by the SDK, or by answer_abandoned when it never started).
+        with anyio.move_on_after(WITHDRAW_TIMEOUT):
+            while any(method != "tools/call" for method in self._open.values()):
+                await self._answered.wait()
+
+    async def relay(self, answered: anyio.abc.ObjectReceiveStream[SessionMessage]) -> None:
+        """Pass the server's messages on to the client, noting each request answered."""
+        async with answered:
+            async for outgoing in answered:
+                message = outgoing.message
+                if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
+                    self._settle(message.id)
+                await self.answers.send(outgoing)
+
+    async def answer_abandoned(self) -> None:
+        """Answer each request the server ended with unanswered as stdin closed: none is dropped without a word."""
+        for (_, request_id), method in list(self._open.items()):
+            log.warning("mcp.request_abandoned", request_id=request_id, method=method)
+            await self._send(
+                request_id,
+                CONNECTION_CLOSED,
+                "stdin closed before this request was answered: the client abandoned it, and nothing it asked for"
+                " stays open (a request_approval is withdrawn on every card, or was never sent to Kazma)",
+            )
+        self._open.clear()
+
+    def _passed(self, line: str) -> str:
+        """Note a line passed on to the server: a request in it waits for its answer; a cancellation ends the wait
+        for the request it names (which JSON-RPC then never answers)."""
+        try:
+            message = jsonrpc_message_adapter.validate_json(line, by_name=False)
+        except ValidationError:
+            return line
+        if isinstance(message, JSONRPCRequest):
+            self._open[_id_key(message.id)] = message.method
+        elif isinstance(message, JSONRPCNotification) and message.method == "notifications/cancelled":
+            cancelled = (message.params or {}).get("requestId")
+            if isinstance(cancelled, str | int) and not isinstance(cancelled, bool):
+                self._settle(cancelled)
+        return line
+
+    def _settle(self, request_id: str | int) -> None:
+        if self._open.pop(_id_key(request_id), None) is not None:
+            self._answered.set()
+            self._answered = anyio.Event()
+
+    async def _checked(self) -> AsyncIterator[str]:
         first = True
         async for read in _bounded_lines(self._lines):
             if isinstance(read, _TooLong):
@@ -319,7 +385,7 @@ class _CheckedLines(anyio.AsyncFile[str]):
             if problem is None:
                 unread = None if not line.strip() else _unreadable(line)
                 if unread is None:
-                    yield line
+                    yield self._passed(line)
                 else:
                     await self._answer_unreadable(line, unread)
                 continue
@@ -427,12 +493,15 @@ async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes 
     kept = bytearray()
     over: Envelope | None = None
     size = 0
+    # One byte more is held than a message may be: the CR of a CRLF is no part of the message, so a message of
+    # exactly the limit ending in CRLF is served as the same one ending in LF is.
+    held = MAX_LINE_BYTES + 1
     while chunk := await source.read1(_READ_CHUNK):
         start = 0
         while True:
             newline = chunk.find(b"\n", start)
             piece = memoryview(chunk)[start : len(chunk) if newline < 0 else newline]
-            if over is None and len(kept) + len(piece) > MAX_LINE_BYTES:
+            if over is None and len(kept) + len(piece) > held:
                 over, size = Envelope(), len(kept)
                 over.feed(kept)
                 kept = bytearray()  # let go now, not at the newline
@@ -443,15 +512,27 @@ async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes 
                 size += len(piece)
             if newline < 0:
                 break
-            if over is None:
-                yield bytes(kept)
-            else:
-                yield _TooLong(size, over)
+            yield _line_read(kept, over, size, ended=True)
             kept, over, start = bytearray(), None, newline + 1
+    if over is not None or kept:
+        yield _line_read(kept, over, size, ended=False)
+
+
+def _line_read(kept: bytearray, over: Envelope | None, size: int, *, ended: bool) -> bytes | _TooLong:
+    """One line as :func:`_bounded_lines` gives it: ``kept`` whole, or a :class:`_TooLong` when it was let go
+    (``over``) or is one byte over the limit without being a message of the limit and the CR of its CRLF."""
     if over is not None:
-        yield _TooLong(size, over)
-    elif kept:
-        yield bytes(kept)
+        return _TooLong(size, over)
+    if len(kept) > MAX_LINE_BYTES and not (ended and kept.endswith(b"\r")):
+        envelope = Envelope()
+        envelope.feed(kept)
+        return _TooLong(len(kept), envelope)
+    return bytes(kept)
+
+
+def _id_key(request_id: str | int) -> tuple[bool, str | int]:
+    """A request id as a key: ``1`` and ``"1"`` are two requests."""
+    return isinstance(request_id, str), request_id
 
 
 def _asks(members: tuple[tuple[str, Any], ...]) -> bool:
