@@ -191,13 +191,19 @@ async def serve_checked(
     async with stdio_server(checked, out) as (read_stream, write_stream):
         # set before the SDK's reader task first runs (nothing awaited since it was started): no line is refused
         # before there is somewhere to answer it
-        checked.answers = write_stream
-        lowlevel = wire_server(server)
-        # The server answers through the door, which so learns which requests are still unanswered.
+        # The server answers through the door, which so learns which requests are still unanswered; the door's own
+        # refusals go the same way, so the client reads every answer in the order it was made (a refusal no longer
+        # overtakes the answer to an earlier request).
         answering, answered = anyio.create_memory_object_stream[SessionMessage](0)
+        checked.out, checked.answers = write_stream, answering.clone()
+        lowlevel = wire_server(server)
         async with anyio.create_task_group() as relaying:
             relaying.start_soon(checked.relay, answered)
-            await lowlevel.run(read_stream, answering, lowlevel.create_initialization_options())
+            try:
+                await lowlevel.run(read_stream, answering, lowlevel.create_initialization_options())
+            finally:
+                checked.answers.close()  # the relay ends once the server's stream and this one are closed
+        checked.answers = write_stream  # what is abandoned is answered straight to the client
         await checked.answer_abandoned()
         await write_stream.aclose()
 
@@ -302,7 +308,9 @@ class _CheckedLines(anyio.AsyncFile[str]):
         # The SDK takes a text file but only iterates it (our __aiter__), which reads the bytes beneath itself.
         super().__init__(cast("IO[str]", lines.wrapped))
         self._lines = lines
-        self.answers: Any = None  # the SDK's write stream, once it is open
+        self.answers: Any = None  # where the door's own answers go (in line with the server's), once it is open
+        self.out: Any = None  # the SDK's write stream to the client
+        self._own: set[int] = set()  # the door's own answers on their way through the relay (by object id)
         # The requests passed on and not yet answered (nor cancelled by the client), each with its method.
         self._open: dict[tuple[bool, str | int], str] = {}
         self._answered = anyio.Event()  # set (and replaced) each time one of them is answered
@@ -310,6 +318,7 @@ class _CheckedLines(anyio.AsyncFile[str]):
     async def __aiter__(self) -> AsyncIterator[str]:
         async for line in self._checked():
             yield line
+        self.answers.close()  # no line is refused after the last: the relay may end once the server's answers do
         # EOF. The SDK's server cancels every request it holds once the lines end, and one it had not started yet
         # was never answered at all: a tools/list sent just before stdin closed was dropped without a word. What
         # the client asked is answered first, within a bound; a tools/call (request_approval) is not waited for:
@@ -324,9 +333,11 @@ class _CheckedLines(anyio.AsyncFile[str]):
         async with answered:
             async for outgoing in answered:
                 message = outgoing.message
-                if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
+                if id(outgoing) in self._own:  # a refusal of a line never passed on: it answers no open request
+                    self._own.discard(id(outgoing))
+                elif isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
                     self._settle(message.id)
-                await self.answers.send(outgoing)
+                await self.out.send(outgoing)
 
     async def answer_abandoned(self) -> None:
         """Answer each request the server ended with unanswered as stdin closed: none is dropped without a word."""
@@ -470,8 +481,12 @@ class _CheckedLines(anyio.AsyncFile[str]):
         await self._send(_answerable_id(members), code, problem)
 
     async def _send(self, request_id: str | int | None, code: int, message: str) -> None:
-        refused = JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
-        await self.answers.send(SessionMessage(refused))
+        refused = SessionMessage(
+            JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message))
+        )
+        if self.answers is not self.out:
+            self._own.add(id(refused))
+        await self.answers.send(refused)
 
 
 @dataclass(frozen=True)
