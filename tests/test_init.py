@@ -242,3 +242,28 @@ def test_two_forced_runs_in_one_second_keep_both_copies(tmp_path: Path, monkeypa
         assert result.exit_code == 0, result.output
     assert (tmp_path / "kazma.yaml.20260102-030405.bak").read_text() == "web: {port: 9001}\n"
     assert (tmp_path / "kazma.yaml.20260102-030405-2.bak").read_text() != "web: {port: 9001}\n"
+
+
+def test_matrix_from_flags_writes_a_file_instead_of_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Matrix has one way its events arrive (sync), so no --matrix-mode flag exists: init read that flag's value
+    # all the same and `kazma init --platform matrix` ended in KeyError: 'matrix_mode', on a terminal or not.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        main,
+        ["init", "--platform", "matrix", "--matrix-user", "@alice:example.org", "--matrix-room", "!room:example.org",
+         "--web-login", "alice", "--no-input"],
+    )  # fmt: skip
+    assert result.exception is None, result.exception
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "kazma.yaml").read_text()
+    assert "${MATRIX_ACCESS_TOKEN}" in text
+    config = load_config(
+        tmp_path / "kazma.yaml", environ={"MATRIX_ACCESS_TOKEN": "t", "MATRIX_HOMESERVER": "https://m.example.org"}
+    ).config
+    assert config.roster.is_approver("matrix:@alice:example.org", "matrix")

@@ -193,7 +193,10 @@ def init(
                 value_proc=_chat_id(platform),
             )
         presences[platform] = Presence(user, _chat_id(platform)(chat or "") or None)
-    modes = {platform: _mode(platform, given[_flag(platform, "mode")], ask) for platform in chosen if _MODES[platform]}
+    # a platform with one way its events arrive (matrix: sync) has no --<platform>-mode flag to read
+    modes = {
+        platform: _mode(platform, given.get(_flag(platform, "mode")), ask) for platform in chosen if _MODES[platform]
+    }
     url_hint = " (chat cards link here)" if chosen else ""
     public = _answer(public_url, ask, f"The console's public URL{url_hint}", _url, default=DEFAULT_PUBLIC_URL)
     model = _answer(model_url, ask, "The model server (OpenAI-compatible)", _url, default=DEFAULT_MODEL_URL)
