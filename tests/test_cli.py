@@ -217,3 +217,29 @@ def test_a_store_path_that_cannot_be_opened_is_one_line_not_a_traceback(
     assert result.stderr.splitlines()[-1] == (
         f"{config}: store.path: cannot open the SQLite store {where}: {said.format(tmp=tmp_path)}"
     )
+
+
+@pytest.mark.parametrize("text", ["web:\n  prot: 9000\n", None])
+def test_doctor_on_a_file_it_cannot_load_is_a_failed_check_in_its_own_shape(
+    tmp_path: Path, text: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README: doctor says one line per problem, exits 1 if a check fails, and --json is one object on stdout.
+    # A file with a typo (or none at all) ended it with exit 2 and the line on stderr: a script reading --json got
+    # no JSON at all, only when the configuration was what it most needed to hear about.
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / "kazma.yaml").write_text(text)
+    said = "kazma.yaml: web.prot: unknown key" if text is not None else "kazma.yaml: file not found"
+    as_json = CliRunner().invoke(main, ["doctor", "--json"])
+    assert as_json.exit_code == 1, as_json.output
+    report = json.loads(as_json.stdout)
+    assert report["failed"] == 1
+    assert report["warnings"] == 0
+    [check] = report["checks"]
+    assert check["name"] == "config"
+    assert check["level"] == "fail"
+    assert check["detail"].startswith(said)
+    plain = CliRunner().invoke(main, ["doctor"])
+    assert plain.exit_code == 1
+    assert plain.stdout.splitlines()[0].startswith(f"FAIL  config            {said}")
+    assert plain.stdout.splitlines()[-1] == "1 failed, 0 warnings"
