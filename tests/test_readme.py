@@ -133,3 +133,15 @@ def test_every_literal_default_in_the_readme_is_the_models() -> None:
         if not same:
             wrong.append(f"{key}: README `{documented}`, the model {written!r}")
     assert wrong == []
+
+
+def test_the_swarm_table_lists_every_subcommand_with_who_may_run_it() -> None:
+    from kazma.engine.swarm.grammar import USAGES
+    from kazma.engine.swarm.syntax import Access
+
+    section = README.read_text().split("## The `/swarm` commands", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `([^`]*)`(?: / `([^`]*)`)? \| (\w+) \|", section, flags=re.MULTILINE)
+    who = {usage.split()[0]: person for first, second, person in rows for usage in (first, second) if usage}
+    assert sorted(who) == sorted(USAGES), "the README's /swarm table and the grammar's subcommands differ"
+    expected = {verb: "anyone" if usage.access is Access.READ else "admin" for verb, usage in USAGES.items()}
+    assert who == expected
