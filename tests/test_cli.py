@@ -243,3 +243,34 @@ def test_doctor_on_a_file_it_cannot_load_is_a_failed_check_in_its_own_shape(
     assert plain.exit_code == 1
     assert plain.stdout.splitlines()[0].startswith(f"FAIL  config            {said}")
     assert plain.stdout.splitlines()[-1] == "1 failed, 0 warnings"
+
+
+class _Missing(_Models):
+    status = 404
+
+
+@pytest.mark.parametrize(
+    ("model_server", "name", "said"),
+    [
+        (_Models, "gpt-x", "reachable, but model 'gpt-x' is not listed (llama3.1): set models.backup.name to one"),
+        (_Rejecting, "llama3.1", "the server rejected the API key (HTTP 401): check models.backup.api_key"),
+        (_Missing, "llama3.1", "HTTP 404: is models.backup.base_url the API's base (usually ending in /v1)?"),
+    ],
+    indirect=["model_server"],
+)
+async def test_each_model_problem_names_the_setting_that_fixes_it(model_server: str, name: str, said: str) -> None:
+    # The README: doctor says one line per problem with its fix. A first run without a model server read
+    # "unreachable (ConnectError: All connection attempts failed)" and no word of what to change.
+    from kazma.bot.cli.doctor import check_endpoint
+    from kazma.config.models import ModelConfig
+
+    check = await check_endpoint(
+        ModelConfig(base_url=model_server, name=name), "model.backup", wait_seconds=5, key="models.backup"
+    )
+    assert said in check.detail
+    # port 9 on loopback: nothing listens there
+    closed = await check_endpoint(ModelConfig(base_url="http://127.0.0.1:9/v1"), "model", wait_seconds=5)
+    assert closed.detail.startswith("http://127.0.0.1:9/v1/models: unreachable (ConnectError")
+    assert closed.detail.endswith(
+        ": start the model server there, or set model.base_url to an OpenAI-compatible one that runs"
+    )
