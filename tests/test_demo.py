@@ -188,14 +188,16 @@ def _demo_on_a_terminal(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     return demo, master
 
 
-def _read_until(master: int, wanted: bytes, seen: bytearray, *, answer: bytes = b"") -> None:
+def _read_until(
+    master: int, wanted: bytes, seen: bytearray, *, answer: bytes = b"", times: int = 1, unless: bytes = b"\x00"
+) -> None:
     import os
     import select
     import time
 
     deadline = time.monotonic() + 90
     answered = False
-    while wanted not in seen:
+    while seen.count(wanted) < times and unless not in seen:
         assert time.monotonic() < deadline, bytes(seen[-2000:])
         ready, _, _ = select.select([master], [], [], 1)
         if ready:
@@ -206,7 +208,7 @@ def _read_until(master: int, wanted: bytes, seen: bytearray, *, answer: bytes = 
         if answer and not answered and b"[a/d]" in seen:
             os.write(master, answer)
             answered = True
-    assert wanted in seen, bytes(seen[-2000:])
+    assert seen.count(wanted) >= times or unless in seen, bytes(seen[-2000:])
 
 
 @pytest.mark.parametrize(
@@ -243,3 +245,27 @@ def test_the_console_demo_stops_cleanly_on_a_signal_and_says_so(
     folder = re.search(rb"store: (\S+)/state/kazma\.db \(temporary\)", seen)
     assert folder is not None
     assert not Path(folder.group(1).decode()).exists()
+
+
+def test_only_a_or_approve_at_the_terminal_approves(tmp_path: Path) -> None:
+    # Every answer but d/deny was read as Approve: "n" (for no), an empty Enter or Ctrl-D let the shell call run.
+    import os
+
+    demo, master = _demo_on_a_terminal(tmp_path)
+    seen = bytearray()
+    try:
+        _read_until(master, b"[a/d]", seen)
+        for asked, wrong in enumerate((b"n\n", b"no\n", b"\n"), start=1):
+            os.write(master, wrong)
+            _read_until(master, b"[a/d]", seen, times=asked + 1, unless=b"Approved")  # asked again, nothing pressed
+            assert b"Approved" not in seen, bytes(seen[-2000:])
+        os.write(master, b"d\n")
+        _read_until(master, b"Denied. Recorded as demo (cli:demo).", seen)
+        _read_until(master, b"press Ctrl-C to leave", seen)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        os.close(master)
+    assert b"it printed: hello, world" not in seen
