@@ -92,11 +92,19 @@ class TerminalAdapter:
     async def _press(self, card: ApprovalCard, *, approve_here: bool) -> None:
         if self.interactive:
             if approve_here:
-                answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
-                decision = Decision.DENY if answer.strip().lower().startswith("d") else Decision.APPROVE
+                # Only a/approve approves: anything else but d/deny was read as Approve, so "n", "no", an empty
+                # Enter or the end of input (Ctrl-D) let a dangerous call run. It is asked again; at the end of
+                # input nothing is pressed here (the console, or the deadline, decides).
+                chosen = None
+                while chosen is None:
+                    answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
+                    if answer is None:
+                        return
+                    chosen = _ANSWERS.get(answer.strip().lower())
+                decision = chosen
             else:
                 answer = await _read_line(f"deny {card.tool} here, or approve it on its page? [d] ")
-                if not answer.strip().lower().startswith("d"):
+                if answer is None or _ANSWERS.get(answer.strip().lower()) is not Decision.DENY:
                     return
                 decision = Decision.DENY
         elif self.auto is not None:
@@ -115,22 +123,27 @@ class TerminalAdapter:
         self._print(f"[card {card.request_id}] {reveal_line(outcome.summary())}; its buttons are gone")
 
 
-async def _read_line(prompt: str) -> str:
-    """``input()`` on a daemon thread: a decision made elsewhere must not leave the process waiting for Enter."""
+_ANSWERS = {"a": Decision.APPROVE, "approve": Decision.APPROVE, "d": Decision.DENY, "deny": Decision.DENY}
+
+
+async def _read_line(prompt: str) -> str | None:
+    """``input()`` on a daemon thread: a decision made elsewhere must not leave the process waiting for Enter.
+    None at the end of input."""
     loop = asyncio.get_running_loop()
-    answer: asyncio.Future[str] = loop.create_future()
+    answer: asyncio.Future[str | None] = loop.create_future()
 
     def read() -> None:
+        line: str | None
         try:
             line = input(prompt)
         except EOFError:
-            line = ""
+            line = None
         loop.call_soon_threadsafe(_resolve, answer, line)
 
     threading.Thread(target=read, name="kazma-terminal-press", daemon=True).start()
     return await answer
 
 
-def _resolve(future: asyncio.Future[str], value: str) -> None:
+def _resolve(future: asyncio.Future[str | None], value: str | None) -> None:
     if not future.done():  # cancelled when the card was decided elsewhere
         future.set_result(value)

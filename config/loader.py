@@ -313,6 +313,10 @@ def _resolved(config: KazmaConfig, base: Path) -> KazmaConfig:
 
 
 def _kind(value: Any) -> str:
+    if value is None:
+        # `web:` with nothing under it (its keys commented out, or not yet written): YAML reads that as null,
+        # which "NoneType None" named in Python's words
+        return "nothing (the key has no value: give it one, or remove the key)"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):

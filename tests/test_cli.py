@@ -217,3 +217,60 @@ def test_a_store_path_that_cannot_be_opened_is_one_line_not_a_traceback(
     assert result.stderr.splitlines()[-1] == (
         f"{config}: store.path: cannot open the SQLite store {where}: {said.format(tmp=tmp_path)}"
     )
+
+
+@pytest.mark.parametrize("text", ["web:\n  prot: 9000\n", None])
+def test_doctor_on_a_file_it_cannot_load_is_a_failed_check_in_its_own_shape(
+    tmp_path: Path, text: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README: doctor says one line per problem, exits 1 if a check fails, and --json is one object on stdout.
+    # A file with a typo (or none at all) ended it with exit 2 and the line on stderr: a script reading --json got
+    # no JSON at all, only when the configuration was what it most needed to hear about.
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / "kazma.yaml").write_text(text)
+    said = "kazma.yaml: web.prot: unknown key" if text is not None else "kazma.yaml: file not found"
+    as_json = CliRunner().invoke(main, ["doctor", "--json"])
+    assert as_json.exit_code == 1, as_json.output
+    report = json.loads(as_json.stdout)
+    assert report["failed"] == 1
+    assert report["warnings"] == 0
+    [check] = report["checks"]
+    assert check["name"] == "config"
+    assert check["level"] == "fail"
+    assert check["detail"].startswith(said)
+    plain = CliRunner().invoke(main, ["doctor"])
+    assert plain.exit_code == 1
+    assert plain.stdout.splitlines()[0].startswith(f"FAIL  config            {said}")
+    assert plain.stdout.splitlines()[-1] == "1 failed, 0 warnings"
+
+
+class _Missing(_Models):
+    status = 404
+
+
+@pytest.mark.parametrize(
+    ("model_server", "name", "said"),
+    [
+        (_Models, "gpt-x", "reachable, but model 'gpt-x' is not listed (llama3.1): set models.backup.name to one"),
+        (_Rejecting, "llama3.1", "the server rejected the API key (HTTP 401): check models.backup.api_key"),
+        (_Missing, "llama3.1", "HTTP 404: is models.backup.base_url the API's base (usually ending in /v1)?"),
+    ],
+    indirect=["model_server"],
+)
+async def test_each_model_problem_names_the_setting_that_fixes_it(model_server: str, name: str, said: str) -> None:
+    # The README: doctor says one line per problem with its fix. A first run without a model server read
+    # "unreachable (ConnectError: All connection attempts failed)" and no word of what to change.
+    from kazma.bot.cli.doctor import check_endpoint
+    from kazma.config.models import ModelConfig
+
+    check = await check_endpoint(
+        ModelConfig(base_url=model_server, name=name), "model.backup", wait_seconds=5, key="models.backup"
+    )
+    assert said in check.detail
+    # port 9 on loopback: nothing listens there
+    closed = await check_endpoint(ModelConfig(base_url="http://127.0.0.1:9/v1"), "model", wait_seconds=5)
+    assert closed.detail.startswith("http://127.0.0.1:9/v1/models: unreachable (ConnectError")
+    assert closed.detail.endswith(
+        ": start the model server there, or set model.base_url to an OpenAI-compatible one that runs"
+    )

@@ -344,6 +344,16 @@ MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [
             "kazma.yaml: swarm.max_parallel: must be at most 1000, got 1001",
         ],
     ),
+    (
+        # a section or key left with nothing under it is YAML's null: it was "got NoneType None"
+        "empty section and value",
+        "web:\nmodel:\n  name:\n",
+        {},
+        [
+            "kazma.yaml: web: expected a mapping, got nothing (the key has no value: give it one, or remove the key)",
+            "kazma.yaml: model.name: expected text, got nothing (the key has no value: give it one, or remove the key)",
+        ],
+    ),
 ]
 
 

@@ -331,6 +331,21 @@ def test_the_doctor_warns_when_an_https_console_does_not_name_its_proxy() -> Non
     assert not any("trusted_proxies" in c.detail for c in console_checks(local))
 
 
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8765", "http://127.0.0.1:8765", "https://[fd00::5]"])
+def test_the_doctor_warns_when_the_public_url_is_an_address_passkeys_cannot_use(url: str) -> None:
+    # The README: web.public_url must be a name, never an address, browsers refusing passkeys for one. `kazma init
+    # --public-url http://10.0.0.5:8765` wrote it and said to sign in there with a passkey; doctor said all was well.
+    from kazma.bot.cli.checks import Level
+    from kazma.bot.cli.platform_checks import console_checks
+    from kazma.config import load_config_text
+
+    loaded = load_config_text(f"web: {{public_url: '{url}'}}", environ={})
+    warned = [c.detail for c in console_checks(loaded) if c.level is Level.WARN]
+    assert any(line.startswith("passkeys cannot work here: web.public_url names the address") for line in warned)
+    named = load_config_text("web: {public_url: 'http://localhost:8765'}", environ={})
+    assert not any("passkeys cannot work" in c.detail for c in console_checks(named))
+
+
 # -- behind the shipped nginx ----------------------------------------------------------------------
 
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import io
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kazma.approvals.model import Decision
 from kazma.bot.cli.demo import run_demo
@@ -171,3 +174,101 @@ async def test_after_the_script_the_demo_operator_steers_the_scripted_swarm(tmp_
             assert reply.content == CONNECT_A_MODEL
     finally:
         await app.stop()
+
+
+def _demo_on_a_terminal(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`kazma demo` with a terminal for its standard input (so it serves the console and lingers), as typed."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    env = {"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kazma.bot.cli", "demo", "--no-browser", "--port", "0"],
+        cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    return demo, master
+
+
+def _read_until(
+    master: int, wanted: bytes, seen: bytearray, *, answer: bytes = b"", times: int = 1, unless: bytes = b"\x00"
+) -> None:
+    import os
+    import select
+    import time
+
+    deadline = time.monotonic() + 90
+    answered = False
+    while seen.count(wanted) < times and unless not in seen:
+        assert time.monotonic() < deadline, bytes(seen[-2000:])
+        ready, _, _ = select.select([master], [], [], 1)
+        if ready:
+            try:
+                seen += os.read(master, 65536)
+            except OSError:  # the terminal closed: the demo ended
+                break
+        if answer and not answered and b"[a/d]" in seen:
+            os.write(master, answer)
+            answered = True
+    assert seen.count(wanted) >= times or unless in seen, bytes(seen[-2000:])
+
+
+@pytest.mark.parametrize(
+    ("sig", "when", "code", "said"),
+    [
+        (signal.SIGTERM, b"press Ctrl-C to leave", 0, b"kazma demo stopped: "),
+        (signal.SIGINT, b"press Ctrl-C to leave", 0, b"kazma demo stopped: "),
+        # pressed before the card was: the scenario did not end, and that is no success
+        (signal.SIGINT, b"[a/d]", 1, b"kazma demo interrupted before the scenario ended: "),
+    ],
+)
+def test_the_console_demo_stops_cleanly_on_a_signal_and_says_so(
+    tmp_path: Path, sig: signal.Signals, when: bytes, code: int, said: bytes
+) -> None:
+    # SIGTERM (a terminal closing, `timeout`, a container stopping) killed it where it stood: exit -15 and its
+    # temporary directory, with a store and a decision key, left in /tmp. Ctrl-C left without a word, and with exit
+    # 0 also when the scenario had not ended.
+    import re
+
+    demo, master = _demo_on_a_terminal(tmp_path)
+    seen = bytearray()
+    try:
+        _read_until(master, when, seen, answer=b"a\n" if when != b"[a/d]" else b"")
+        demo.send_signal(sig)
+        assert demo.wait(timeout=60) == code, bytes(seen[-2000:])
+        _read_until(master, b"temporary directory removed", seen)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        import os
+
+        os.close(master)
+    assert said in seen
+    folder = re.search(rb"store: (\S+)/state/kazma\.db \(temporary\)", seen)
+    assert folder is not None
+    assert not Path(folder.group(1).decode()).exists()
+
+
+def test_only_a_or_approve_at_the_terminal_approves(tmp_path: Path) -> None:
+    # Every answer but d/deny was read as Approve: "n" (for no), an empty Enter or Ctrl-D let the shell call run.
+    import os
+
+    demo, master = _demo_on_a_terminal(tmp_path)
+    seen = bytearray()
+    try:
+        _read_until(master, b"[a/d]", seen)
+        for asked, wrong in enumerate((b"n\n", b"no\n", b"\n"), start=1):
+            os.write(master, wrong)
+            _read_until(master, b"[a/d]", seen, times=asked + 1, unless=b"Approved")  # asked again, nothing pressed
+            assert b"Approved" not in seen, bytes(seen[-2000:])
+        os.write(master, b"d\n")
+        _read_until(master, b"Denied. Recorded as demo (cli:demo).", seen)
+        _read_until(master, b"press Ctrl-C to leave", seen)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        os.close(master)
+    assert b"it printed: hello, world" not in seen

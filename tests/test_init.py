@@ -242,3 +242,56 @@ def test_two_forced_runs_in_one_second_keep_both_copies(tmp_path: Path, monkeypa
         assert result.exit_code == 0, result.output
     assert (tmp_path / "kazma.yaml.20260102-030405.bak").read_text() == "web: {port: 9001}\n"
     assert (tmp_path / "kazma.yaml.20260102-030405-2.bak").read_text() != "web: {port: 9001}\n"
+
+
+def test_matrix_from_flags_writes_a_file_instead_of_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Matrix has one way its events arrive (sync), so no --matrix-mode flag exists: init read that flag's value
+    # all the same and `kazma init --platform matrix` ended in KeyError: 'matrix_mode', on a terminal or not.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        main,
+        ["init", "--platform", "matrix", "--matrix-user", "@alice:example.org", "--matrix-room", "!room:example.org",
+         "--web-login", "alice", "--no-input"],
+    )  # fmt: skip
+    assert result.exception is None, result.exception
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "kazma.yaml").read_text()
+    assert "${MATRIX_ACCESS_TOKEN}" in text
+    config = load_config(
+        tmp_path / "kazma.yaml", environ={"MATRIX_ACCESS_TOKEN": "t", "MATRIX_HOMESERVER": "https://m.example.org"}
+    ).config
+    assert config.roster.is_approver("matrix:@alice:example.org", "matrix")
+
+
+def test_force_names_the_public_url_the_file_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --force keeps the file's settings, web.public_url with them; it then said "sign in at <the flag's URL>",
+    # a console the file does not link to, and "these answers add nothing" without a word about the URL left out.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    first = ["init", "--web-login", "alice", "--no-input", "--public-url", "https://a.example.org"]
+    assert CliRunner().invoke(main, first).exit_code == 0
+    again = CliRunner().invoke(
+        main, ["init", "--web-login", "alice", "--no-input", "--force", "--public-url", "https://b.example.org"]
+    )
+    assert again.exit_code == 0, again.output
+    assert load_config(tmp_path / "kazma.yaml", environ={}).config.web.public_url == "https://a.example.org"
+    assert (
+        "Kept web.public_url: https://a.example.org, as your file says; --public-url https://b.example.org was not "
+        "applied: change web.public_url in kazma.yaml if it should be"
+    ) in again.stdout
+    assert "then sign in at https://a.example.org/login with that passkey" in again.stdout
+    assert "b.example.org/login" not in again.stdout
+    same = CliRunner().invoke(
+        main, ["init", "--web-login", "alice", "--no-input", "--force", "--public-url", "https://a.example.org/"]
+    )
+    assert same.exit_code == 0
+    assert "Kept web.public_url" not in same.stdout  # the same URL, as Kazma reads it: nothing was left out

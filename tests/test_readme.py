@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 import typing
@@ -72,3 +73,75 @@ def test_readme_names_the_test_command_that_ci_runs() -> None:
     command = re.search(r"## Test\s+```sh\n(.+?)\n```", readme, flags=re.DOTALL)
     assert command is not None
     assert command.group(1).strip() in ci
+
+
+def _field_at(key: str) -> Any:
+    """The model field a documented key names (``<name>`` steps into a dict's value model), or None."""
+    model: Any = KazmaConfig
+    info: Any = None
+    parts = key.split(".")
+    index = 0
+    while index < len(parts):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        info = model.model_fields.get(parts[index])
+        if info is None:
+            return None
+        index += 1
+        sub = _submodel(info.annotation)
+        if typing.get_origin(info.annotation) is dict and index < len(parts) and parts[index] == "<name>":
+            value = typing.get_args(info.annotation)[1]
+            sub = value if isinstance(value, type) and issubclass(value, BaseModel) else None
+            index += 1
+        if sub is not None:
+            model = sub
+    return info
+
+
+def _written(value: Any) -> str | None:
+    """A default as kazma.yaml would spell it; None when it has no one literal spelling."""
+    value = getattr(value, "value", value)  # an enum
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | str | Path):
+        return str(value)
+    if value == [] or value == ():
+        return "[]"
+    return None
+
+
+def test_every_literal_default_in_the_readme_is_the_models() -> None:
+    # A default column that says `${TELEGRAM_BOT_TOKEN:-}` while the model's default is empty told people a
+    # section without `token:` reads the variable; it does not, and the platform stayed off.
+    text = README.read_text()
+    section = text.split("### Keys", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_.<>]+)` \| `([^`|]*)` \|", section, flags=re.MULTILINE)
+    assert len(rows) > 100
+    wrong = []
+    for key, documented in rows:
+        info = _field_at(key)
+        if info is None or info.is_required():
+            continue
+        default = info.get_default(call_default_factory=True)
+        written = _written(default)
+        if written is None:
+            continue
+        same = written == documented or (written, documented) in {("false", "off"), ("true", "on")}
+        if not same:
+            with contextlib.suppress(ValueError):
+                same = float(written) == float(documented)
+        if not same:
+            wrong.append(f"{key}: README `{documented}`, the model {written!r}")
+    assert wrong == []
+
+
+def test_the_swarm_table_lists_every_subcommand_with_who_may_run_it() -> None:
+    from kazma.engine.swarm.grammar import USAGES
+    from kazma.engine.swarm.syntax import Access
+
+    section = README.read_text().split("## The `/swarm` commands", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `([^`]*)`(?: / `([^`]*)`)? \| (\w+) \|", section, flags=re.MULTILINE)
+    who = {usage.split()[0]: person for first, second, person in rows for usage in (first, second) if usage}
+    assert sorted(who) == sorted(USAGES), "the README's /swarm table and the grammar's subcommands differ"
+    expected = {verb: "anyone" if usage.access is Access.READ else "admin" for verb, usage in USAGES.items()}
+    assert who == expected

@@ -188,3 +188,39 @@ def test_a_refused_or_unknown_task_command_ends_non_zero(tmp_path: Path) -> None
         assert invoke("--as", "ops", verb, "t-0001") == (1, "no swarm task 't-0001'"), verb
     assert invoke("--as", "ops", "status") == (0, "swarm: 0 running, 0 paused, 4 workers")
     assert invoke("--as", "mallory", "history") == (0, "no swarm tasks yet")
+
+
+def test_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
+    # The README's own example, `/swarm fanout researcher,builder compare X and Y -> slack:C0123ABCD`, typed as
+    # `kazma swarm …` ended in click's "No such option '->'": the arrow starts with "-". So did task text with an
+    # arrow in it. The terminal must read each line exactly as chat's grammar does.
+    import json
+
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from kazma.engine.swarm.grammar import parse
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+    defaults = load_config_text("", environ={}).config
+    for line in [
+        "fanout researcher,builder compare X and Y -> slack:C0123ABCD",
+        "dispatch researcher map a -> b then c",
+        "dispatch researcher map a -> b -> discord:123",
+        "status -> telegram:-100123",
+        "list -> slack:C0123ABCD",
+    ]:
+        chat = parse(line, workers=defaults.agents.workers, pipelines=defaults.pipelines)
+        verb, *words = line.split()
+        # with "--" (how a task word that starts with "-" is typed) the words after it are the task's
+        typed = [[verb, *words]]
+        if verb in ("fanout", "dispatch"):
+            typed.append([verb, words[0], "--", *words[1:]])
+        for argv in typed:
+            result = CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", *argv])
+            assert result.exit_code == 0, (argv, result.output)
+            assert json.loads(result.stdout) == json.loads(json.dumps(chat.to_json())), argv
+    bare = CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", "go", "->"])
+    assert bare.exit_code == 2
+    assert bare.stderr.startswith("a route needs <platform>:<chat> after '->'")

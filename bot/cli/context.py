@@ -24,10 +24,15 @@ class Context:
         for them a platform whose secret is not in the environment is simply off. ``platform_secrets=True``
         (``kazma run``, ``kazma config check``) makes every unset secret an error again."""
         try:
-            loaded = load_config(path or self.config_path, platform_secrets=platform_secrets)
+            return self.load_or_raise(path, platform_secrets=platform_secrets)
         except ConfigError as exc:
             for line in exc.lines:
                 click.echo(line, err=True)
             sys.exit(EXIT_CONFIG)
+
+    def load_or_raise(self, path: Path | None = None, *, platform_secrets: bool = False) -> LoadedConfig:
+        """As :meth:`load`, but a configuration that cannot be used raises its :class:`ConfigError` for the
+        command to report in its own shape (``kazma doctor``: a failed check)."""
+        loaded = load_config(path or self.config_path, platform_secrets=platform_secrets)
         redact_config_secrets(loaded.config)  # whatever a library logs later, these never reach the log
         return loaded

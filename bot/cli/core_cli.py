@@ -84,11 +84,18 @@ def config_check(obj: Context, path: Path | None) -> None:
 @click.pass_obj
 def doctor(obj: Context, model_timeout: float, platform_timeout: float, as_json: bool) -> None:
     """Check the configuration, each platform's tokens with the platform, the store and the model endpoint."""
-    # A secret not exported is one failed check, not the end of the checklist: every other check still runs.
-    loaded = obj.load()
+    from kazma.bot.cli.checks import Check
     from kazma.bot.cli.doctor import Level, run_checks  # its checks' modules: only this command needs them
 
-    checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
+    # A secret not exported is one failed check, not the end of the checklist: every other check still runs. A
+    # file that cannot be loaded at all is the config check failing, said in the report's own shape (--json is
+    # one object on stdout, a failed check ends 1), since none of the other checks can run without it.
+    try:
+        loaded = obj.load_or_raise()
+    except ConfigError as exc:
+        checks = [Check("config", Level.FAIL, line) for line in exc.lines]
+    else:
+        checks = asyncio.run(run_checks(loaded, model_timeout=model_timeout, platform_timeout=platform_timeout))
     failed = [c for c in checks if c.level is Level.FAIL]
     warned = [c for c in checks if c.level is Level.WARN]
     if as_json:

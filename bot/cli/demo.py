@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import secrets
+import signal
 import socket
 import tempfile
 import webbrowser
@@ -184,75 +185,124 @@ async def run_demo(
     and the card shows in the browser and in this terminal; the first press on
     either decides. ``linger`` keeps the console up afterwards until Ctrl-C.
     """
-    with tempfile.TemporaryDirectory(prefix="kazma-demo-") as tmp:
-        root = Path(tmp)
-        web_port = web_port or _free_port()
-        loaded = demo_config(root, web_port, web=web)
-        prompts = agent_prompts(loaded.config)
-        provider = scenario(prompts)
-        console = WebAdapter() if web else None
-        terminal = TerminalAdapter(
-            out=out,
-            interactive=interactive,
-            auto=None if web else decision,
-            # no console is served in terminal mode: the card says so instead of linking nowhere
-            link_note=None if web else "not served by `kazma demo --terminal` (the whole call is shown above)",
-        )
-        app = await build_app(loaded, provider=provider, adapters=[terminal], web=console)
-        server = None
-        local = LocalLogin("demo")  # the demo's browser signs in with a link printed here, once
-        if console is not None:
-            server = WebServer(
-                app.console, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
-                operator_token=secrets.token_urlsafe(24), local_login=local,
-            )  # fmt: skip
-        out.write(f"kazma demo — model: {provider.label}\n")
-        out.write(f"store: {loaded.config.store.path} (temporary)\n")
-        finished = asyncio.Event()
-        app.conversations.listeners.append(
-            lambda action: finished.set() if action.kind is ActionKind.FINISHED else None
-        )
-        await app.start()
+    # Ctrl-C and SIGTERM end the demo as `kazma run` ends: everything stopped, the temporary directory (its store,
+    # its decision key) removed, and said. SIGTERM killed it where it stood, leaving that directory in /tmp, and a
+    # Ctrl-C left without a word, also in the middle of the scenario.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            if server is not None and console is not None:
-                await server.start()
-                assert server.auth is not None
-                out.write(
-                    f"\nweb console: {server.url}{local.path} — signs one browser in as 'demo' (kazma demo's local "
-                    "identity, not a proof: a real console signs people in with passkeys)\n"
-                    "approve the card there (or type a/d here when asked)\n\n"
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (a test's): KeyboardInterrupt as before
+            continue
+        handled.append(sig)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kazma-demo-") as tmp:
+            ended = await _play(
+                Path(tmp), out=out, interactive=interactive, decision=decision, web=web, web_port=web_port,
+                open_browser=open_browser, linger=linger, stop=stop,
+            )  # fmt: skip
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+    if stop.is_set():
+        how = "stopped" if ended else "interrupted before the scenario ended"
+        out.write(f"\nkazma demo {how}: everything it started is stopped and its temporary directory removed\n")
+        out.flush()
+    return ended
+
+
+async def _until(done: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait for ``done`` or ``stop``, whichever comes first: True when it was ``done``."""
+    waits = [asyncio.create_task(done.wait()), asyncio.create_task(stop.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return done.is_set()
+
+
+async def _play(
+    root: Path,
+    *,
+    out: IO[str],
+    interactive: bool | None,
+    decision: Decision,
+    web: bool,
+    web_port: int,
+    open_browser: bool,
+    linger: bool,
+    stop: asyncio.Event,
+) -> bool:
+    """The demo in ``root``; False when ``stop`` came before the scenario ended."""
+    web_port = web_port or _free_port()
+    loaded = demo_config(root, web_port, web=web)
+    prompts = agent_prompts(loaded.config)
+    provider = scenario(prompts)
+    console = WebAdapter() if web else None
+    terminal = TerminalAdapter(
+        out=out,
+        interactive=interactive,
+        auto=None if web else decision,
+        # no console is served in terminal mode: the card says so instead of linking nowhere
+        link_note=None if web else "not served by `kazma demo --terminal` (the whole call is shown above)",
+    )
+    app = await build_app(loaded, provider=provider, adapters=[terminal], web=console)
+    server = None
+    local = LocalLogin("demo")  # the demo's browser signs in with a link printed here, once
+    if console is not None:
+        server = WebServer(
+            app.console, console, host="127.0.0.1", port=web_port, token_path=root / "web-token",
+            operator_token=secrets.token_urlsafe(24), local_login=local,
+        )  # fmt: skip
+    out.write(f"kazma demo — model: {provider.label}\n")
+    out.write(f"store: {loaded.config.store.path} (temporary)\n")
+    finished = asyncio.Event()
+    app.conversations.listeners.append(lambda action: finished.set() if action.kind is ActionKind.FINISHED else None)
+    await app.start()
+    try:
+        if server is not None and console is not None:
+            await server.start()
+            assert server.auth is not None
+            out.write(
+                f"\nweb console: {server.url}{local.path} — signs one browser in as 'demo' (kazma demo's local "
+                "identity, not a proof: a real console signs people in with passkeys)\n"
+                "approve the card there (or type a/d here when asked)\n\n"
+            )
+            out.flush()
+            if open_browser:
+                webbrowser.open(f"{server.url}{local.path}")
+            await console.say("demo", REQUEST)
+        else:
+            out.write(f"\n[you] {REQUEST}\n")
+            await app.on_inbound(
+                Inbound(
+                    platform="cli",
+                    chat=terminal.chat,
+                    message_id="you-1",
+                    author="cli:you",
+                    author_name="you",
+                    text=REQUEST,
+                    mentions=("kazma",),
                 )
-                out.flush()
-                if open_browser:
-                    webbrowser.open(f"{server.url}{local.path}")
-                await console.say("demo", REQUEST)
-            else:
-                out.write(f"\n[you] {REQUEST}\n")
-                await app.on_inbound(
-                    Inbound(
-                        platform="cli",
-                        chat=terminal.chat,
-                        message_id="you-1",
-                        author="cli:you",
-                        author_name="you",
-                        text=REQUEST,
-                        mentions=("kazma",),
-                    )
-                )
-            async with asyncio.timeout(600):  # not wait_for: see kazma.config.waits
-                await finished.wait()
-            await app.conversations.drain()
-            for request in await app.service.store.requests():
-                await _wait_settled(app.service.store, request.id)
-            if linger and server is not None:
-                out.write(f"\nthe demo is done; the console stays up at {server.url} — press Ctrl-C to leave\n")
-                out.flush()
-                await asyncio.Event().wait()
-            return True
-        finally:
-            if server is not None:
-                await server.stop()
-            await app.stop()
+            )
+        async with asyncio.timeout(600):  # not wait_for: see kazma.config.waits
+            if not await _until(finished, stop):
+                return False
+        await app.conversations.drain()
+        for request in await app.service.store.requests():
+            await _wait_settled(app.service.store, request.id)
+        if linger and server is not None:
+            out.write(f"\nthe demo is done; the console stays up at {server.url} — press Ctrl-C to leave\n")
+            out.flush()
+            await stop.wait()
+        return True
+    finally:
+        if server is not None:
+            await server.stop()
+        await app.stop()
 
 
 async def _wait_settled(store: ApprovalStore, request_id: str) -> None:

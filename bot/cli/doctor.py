@@ -71,7 +71,7 @@ async def run_checks(loaded: LoadedConfig, *, model_timeout: float = 5.0, platfo
         checks.append(await check_replicas(loaded))
     checks.append(await check_model(loaded, wait_seconds=model_timeout))
     for name, model in loaded.config.models.items():
-        checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout))
+        checks.append(await check_endpoint(model, f"model.{name}", wait_seconds=model_timeout, key=f"models.{name}"))
     places = places_for(loaded.config, config_file=loaded.source)
     for name, server in loaded.config.mcp_servers.items():
         checks.append(await check_mcp_server(name, server, places=places))
@@ -267,25 +267,45 @@ async def check_model(loaded: LoadedConfig, *, wait_seconds: float) -> Check:
     return await check_endpoint(loaded.config.model, "model", wait_seconds=wait_seconds)
 
 
-async def check_endpoint(model: ModelConfig, label: str, *, wait_seconds: float) -> Check:
+async def check_endpoint(model: ModelConfig, label: str, *, wait_seconds: float, key: str = "model") -> Check:
+    """The endpoint's model list. A failure names the setting to change (``key``: ``model`` or
+    ``models.<name>``): the README promises each problem's fix, and a first run with no model server met
+    "unreachable (ConnectError: All connection attempts failed)" and nothing more."""
     url = model.base_url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {model.api_key}"} if model.api_key else {}
+    start = f"start the model server there, or set {key}.base_url to an OpenAI-compatible one that runs"
     try:
         async with httpx.AsyncClient(timeout=wait_seconds) as client:
             response = await client.get(url, headers=headers)
     except httpx.TimeoutException:
-        return Check(label, Level.FAIL, f"{url}: no answer within {wait_seconds:g} s")
+        return Check(
+            label, Level.FAIL, f"{url}: no answer within {wait_seconds:g} s: {start} (--model-timeout waits longer)"
+        )
     except httpx.HTTPError as exc:
-        return Check(label, Level.FAIL, f"{url}: unreachable ({type(exc).__name__}: {exc})")
+        return Check(label, Level.FAIL, f"{url}: unreachable ({type(exc).__name__}: {exc}): {start}")
     if response.status_code in (401, 403):
-        return Check(label, Level.FAIL, f"{url}: the server rejected the API key (HTTP {response.status_code})")
+        return Check(
+            label,
+            Level.FAIL,
+            f"{url}: the server rejected the API key (HTTP {response.status_code}): check {key}.api_key",
+        )
     if response.status_code >= 400:
-        return Check(label, Level.FAIL, f"{url}: HTTP {response.status_code}")
+        return Check(
+            label,
+            Level.FAIL,
+            f"{url}: HTTP {response.status_code}: is {key}.base_url the API's base (usually ending in /v1)?",
+        )
     try:
         names = {str(item.get("id")) for item in response.json().get("data", []) if isinstance(item, dict)}
     except ValueError:
-        return Check(label, Level.FAIL, f"{url}: answered, but not with JSON")
+        return Check(
+            label, Level.FAIL, f"{url}: answered, but not with JSON: is {key}.base_url an OpenAI-compatible API?"
+        )
     if names and model.name not in names:
         listed = ", ".join(sorted(names)[:5])
-        return Check(label, Level.WARN, f"{url}: reachable, but model {model.name!r} is not listed ({listed})")
+        return Check(
+            label,
+            Level.WARN,
+            f"{url}: reachable, but model {model.name!r} is not listed ({listed}): set {key}.name to one it lists",
+        )
     return Check(label, Level.OK, f"{url}: reachable, model {model.name!r}")

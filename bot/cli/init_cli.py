@@ -193,7 +193,10 @@ def init(
                 value_proc=_chat_id(platform),
             )
         presences[platform] = Presence(user, _chat_id(platform)(chat or "") or None)
-    modes = {platform: _mode(platform, given[_flag(platform, "mode")], ask) for platform in chosen if _MODES[platform]}
+    # a platform with one way its events arrive (matrix: sync) has no --<platform>-mode flag to read
+    modes = {
+        platform: _mode(platform, given.get(_flag(platform, "mode")), ask) for platform in chosen if _MODES[platform]
+    }
     url_hint = " (chat cards link here)" if chosen else ""
     public = _answer(public_url, ask, f"The console's public URL{url_hint}", _url, default=DEFAULT_PUBLIC_URL)
     model = _answer(model_url, ask, "The model server (OpenAI-compatible)", _url, default=DEFAULT_MODEL_URL)
@@ -211,14 +214,25 @@ def init(
         for line in exc.lines:
             click.echo(line, err=True)
         sys.exit(2)
+    signed_in_at = answers.public_url
     if force and target.exists():
-        _merge_and_back_up(target, text, answers)
+        written = _merge_and_back_up(target, text, answers)
+        # --force keeps the file's web.public_url: the next steps name the one it has, and a different one asked
+        # for is said to be left out (it was "sign in at <the flag's URL>", which the file did not say)
+        kept, asked = _public_url_of(written), _public_url_of(text)
+        if kept is not None:
+            signed_in_at = kept
+            if public_url is not None and asked is not None and kept != asked:
+                click.echo(
+                    f"Kept web.public_url: {kept}, as your file says; --public-url {public_url} was not applied: "
+                    f"change web.public_url in {target} if it should be"
+                )
     else:
         _write(target, text, force=force)
     identities = ", ".join(actor for actor, _ in answers.approvers)
     click.echo(f"Wrote {target}: you are {answers.person}, an approver as {identities}.")
     click.echo("Next:")
-    for command, why in next_commands(answers, target):
+    for command, why in next_commands(answers, target, public_url=signed_in_at):
         click.echo(f"  {command:<44} # {why}")
 
 
@@ -255,8 +269,18 @@ def _write(target: Path, text: str, *, force: bool) -> None:
         handle.write(text)
 
 
-def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> None:
-    """``--force`` on an existing file: the person's file with what the answers add, after a dated copy of it."""
+def _public_url_of(text: str) -> str | None:
+    """The console's public URL a file's text gives, as Kazma reads it (None: it does not load here)."""
+    try:
+        loaded = load_config_text(text, environ={**os.environ, **PLACEHOLDER_SECRETS}, platform_secrets=False)
+    except ConfigError:
+        return None
+    return loaded.config.web.public_url
+
+
+def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> str:
+    """``--force`` on an existing file: the person's file with what the answers add, after a dated copy of it.
+    Returns the text written."""
     try:
         old = target.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -297,10 +321,12 @@ def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> None:
         click.echo(f"Kept your settings in {target}; added {', '.join(merged.added)}")
     else:
         click.echo(f"Kept your settings in {target}; these answers add nothing it does not already say")
+    return text
 
 
-def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:
-    """The commands to run now: set the secrets (or check the file), ask the doctor, enrol a passkey, run."""
+def next_commands(answers: InitAnswers, target: Path, *, public_url: str | None = None) -> list[tuple[str, str]]:
+    """The commands to run now: set the secrets (or check the file), ask the doctor, enrol a passkey, run (and sign
+    in at ``public_url``, the file's, which ``--force`` may have kept over the answers')."""
     config = "" if target == Path("kazma.yaml") else f" -c {shlex.quote(str(target))}"
     if answers.secrets:
         first = ("export " + " ".join(f"{name}=…" for name in answers.secrets), "the secrets kazma.yaml reads")
@@ -313,5 +339,5 @@ def next_commands(answers: InitAnswers, target: Path) -> list[tuple[str, str]]:
             f"kazma{config} people invite {answers.person}",
             "your passkey for the console: open the link once Kazma runs",
         ),
-        (f"kazma{config} run", f"then sign in at {answers.public_url}/login with that passkey"),
+        (f"kazma{config} run", f"then sign in at {public_url or answers.public_url}/login with that passkey"),
     ]

@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 import httpx
 
 from kazma.adapters.platform_cli import Check, Level, PlatformCheck
+from kazma.bot.console.passkeys import RelyingParty
 from kazma.bot.logging import redact
 from kazma.config import LoadedConfig, enabled_platforms
 from kazma.config.platforms import console_warnings
@@ -31,6 +32,11 @@ def console_checks(loaded: LoadedConfig) -> list[Check]:
         )
     ]
     checks += [Check("platform.web", Level.WARN, warning) for warning in console_warnings(config)]
+    # `kazma init --public-url http://10.0.0.5:8765` wrote such a file and said to sign in there with a passkey,
+    # and doctor called it fine: only `kazma people invite` and the sign-in page said passkeys cannot work.
+    problem = RelyingParty.of(config.web.public_url).problem
+    if problem is not None:
+        checks.append(Check("platform.web", Level.WARN, f"passkeys cannot work here: {problem}"))
     return checks
 
 

@@ -44,8 +44,15 @@ def _context() -> Context:
     return found if found is not None else Context(None)
 
 
+# A route's arrow, as the terminal hands it to click: "->" starts with "-", so click took it for an unknown option
+# ("No such option '->'") and the README's `… -> slack:C0123` failed from a terminal. A NUL no shell can pass in an
+# argument stands in for it while click parses, and the grammar gets the arrow back.
+ARROW = "->"
+_ARROW_HELD = "\x00->"
+
+
 def _run(verb: str, *words: str, to: str | None = None, context: str = "", confirm: bool | None = None) -> None:
-    text = " ".join([verb, *words])
+    text = " ".join([verb, *words]).replace(_ARROW_HELD, ARROW)
     if to is not None:
         text = f"{text} -> {to}"
     loaded = _context().load()
@@ -159,13 +166,18 @@ def _word_callback(_ctx: click.Context, _param: click.Parameter, value: str | No
     return None if value is None else _word(value)
 
 
+def _route_platform(value: str) -> str:
+    """The platform a route names, lowercased ("" when it is no address)."""
+    try:
+        return Address.parse(value).platform.lower()
+    except AddressError:
+        return ""
+
+
 def _route_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     value = _word_callback(ctx, param, value)
     # Without this, a --to that is not a route would silently become task text.
-    try:
-        platform = None if value is None else Address.parse(value).platform.lower()
-    except AddressError:
-        platform = ""
+    platform = None if value is None else _route_platform(value)
     if platform is not None and platform not in ROUTE_PLATFORMS:
         raise click.BadParameter(f"expected PLATFORM:CHAT with platform one of {', '.join(ROUTE_PLATFORMS)}")
     return value
@@ -191,6 +203,14 @@ class _SwarmGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *(p.verb for p in registered())})
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        final_route = len(args) >= 2 and args[-2] == ARROW and _route_platform(args[-1]) in ROUTE_PLATFORMS
+        if final_route and "--" not in args:
+            # a final route is --to, which every subcommand takes (one without task words had no place for it);
+            # after "--" it stays words, and the grammar reads it off the task as chat does
+            args = [*args[:-2], "--to", args[-1]]
+        return super().parse_args(ctx, [_ARROW_HELD if arg == ARROW else arg for arg in args])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         found = super().get_command(ctx, cmd_name)
