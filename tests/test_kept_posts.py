@@ -418,6 +418,8 @@ async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_unt
         pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
         assert len(pending) == 4
         assert all(a == 0 and e and "InvalidToken" in e for a, e in pending)
+        # ... held by this process alone: in the shared rows they stay due, for a replica whose token works
+        assert len(await _outbox(app).due("telegram")) == 4
 
 
 async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
@@ -443,7 +445,9 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
             assert decided.won
 
         async def each_failed() -> bool:
-            return failure_count("card_settle", "telegram") >= failed + len(requests)
+            # ... and the bus is done with each decision's edit (its refusal handled, not only counted)
+            done = not bus_of_app._workers["telegram"].to_settle
+            return done and failure_count("card_settle", "telegram") >= failed + len(requests)
 
         await _until(each_failed)
         tried = len(fakes.telegram.calls_to("editMessageText"))
@@ -453,6 +457,9 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
         unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
         assert len(unsettled) == 4
         assert not any(c.settled_at for c in unsettled)
+        # ... held by this process alone: in the shared rows they stay due, for a replica whose token works
+        due = await app.service.store.unsettled_cards("telegram", due_by=bus_of_app.clock())
+        assert len(due) == 4
 
 
 async def test_healthz_says_telegram_refuses_the_cards_token_until_a_card_lands(
