@@ -23,6 +23,7 @@ from kazma.adapters.call_note import CutShort, within
 from kazma.adapters.contract import (
     CardRef,
     FileAdapter,
+    FindsCards,
     Handlers,
     IdempotentPosts,
     PlatformAdapter,
@@ -1115,7 +1116,10 @@ class FanOutBus:
                 chat = await self._chat_of(adapter, place)
                 if chat in recorded:
                     continue
-                if chat == adapter.home_chat:
+                earlier = await self._look_for_card(adapter, request, chat)
+                if earlier is not None:
+                    ref = earlier
+                elif chat == adapter.home_chat:
                     ref = await within(
                         adapter.post_card(card), self.platform_timeout, platform=adapter.name, site="card_post"
                     )
@@ -1141,6 +1145,21 @@ class FanOutBus:
         await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
         if found:
             await self.settle(request.id)
+
+    async def _look_for_card(self, adapter: PlatformAdapter, request: ApprovalRequest, chat: str) -> CardRef | None:
+        """The card an unrecorded attempt landed in ``chat``, found among its recent messages where the platform
+        can (see :class:`FindsCards`): its nonce may be forgotten by now. None: post again with the nonce (a failed
+        look too: the nonce finds it while the platform still keeps it)."""
+        if not isinstance(adapter, FindsCards):
+            return None
+        try:
+            return await within(
+                adapter.find_card(request.id, chat), self.platform_timeout, platform=adapter.name, site="card_find"
+            )
+        except (PlatformError, TimeoutError) as exc:
+            log.warning("bus.card_look_failed", platform=adapter.name, request_id=request.id,
+                        error=str(exc) or type(exc).__name__)  # fmt: skip
+            return None
 
     async def _record_post(
         self,
