@@ -23,6 +23,7 @@ from kazma.adapters.call_note import CutShort, within
 from kazma.adapters.contract import (
     CardRef,
     FileAdapter,
+    FindsCards,
     Handlers,
     IdempotentPosts,
     PlatformAdapter,
@@ -243,6 +244,10 @@ class _Worker:
     retry_at: float | None = None  # the earliest card edit waiting out a failure, when one is
     asleep_until: float | None = None  # while waiting for a kick: when it wakes by itself (None: awake)
     kept_upto: int | None = None  # the highest post id said to wait for a refused setup (see Outbox.kept)
+    # Until when the platform refused the token this process's posts and edits carry (Telegram's 401): its drain
+    # of posts and its scan of edits try nothing before then, so one call a backoff asks whether the token is good
+    # again. Held here, not in the shared rows: another replica's token may work (a rolling token change).
+    held_until: float | None = None
 
 
 class FanOutBus:
@@ -349,6 +354,9 @@ class FanOutBus:
         Discord refused the token landed only when its last backoff (up to a minute) ran out after the restart."""
         if not names:
             return
+        for name in names:  # a platform started again may carry a new token: it is asked at once
+            self._workers[name].held_until = None
+            self._workers[name].kick.set()
         try:
             posts = await self.outbox.due_now(names)
             edits = await self.store.settles_due_now(names)
@@ -662,8 +670,19 @@ class FanOutBus:
         end): no read of either between the commit and the edits."""
         self._settle_from(request.id, asyncio.ensure_future(self._decided(request.id, (request, cards))))
 
-    def _settle_from(self, request_id: str, loaded: asyncio.Future[_Decided]) -> None:
-        for worker in self._workers.values():
+    async def settle_told(self, request_id: str) -> None:
+        """:meth:`settle` of a decision another replica told of, or of an edit it handed back (its token refused, see
+        ApprovalStore.settle_refused). A platform whose token this process's own edit or post saw refused waits out
+        its hold (its scan edits the card then): tried at once, two replicas with a stale token handed each edit
+        back and forth, one refused call each time."""
+        workers = [w for w in self._workers.values() if not self._held(w)]
+        if workers:
+            self._settle_from(request_id, asyncio.ensure_future(self._decided(request_id)), workers)
+
+    def _settle_from(
+        self, request_id: str, loaded: asyncio.Future[_Decided], workers: Sequence[_Worker] | None = None
+    ) -> None:
+        for worker in self._workers.values() if workers is None else workers:
             adapter = worker.adapter
             if isinstance(adapter, UrgentEdits) and adapter.home_chat and request_id not in worker.to_settle:
                 # Before the decision's waiter runs: the agent's reply to it must not take the card's turn.
@@ -857,15 +876,34 @@ class FanOutBus:
             worker.asleep_until = None
 
     async def _next_due(self, worker: _Worker) -> float:
-        due = [worker.scan_at]
-        if worker.retry_at is not None:
-            due.append(worker.retry_at)
+        due = [] if worker.retry_at is None else [worker.retry_at]
         if setup_refused(worker.adapter) is not None:
-            return min(due)  # its posts wait for the restart: their due times would wake it for nothing
+            return min([worker.scan_at, *due])  # its posts wait for the restart: their due times would wake it
         next_post = await self.outbox.next_due_at(worker.adapter.name)
         if next_post is not None:
             due.append(next_post)
-        return min(due)
+        held = worker.held_until
+        if held is not None and self.clock() < held:
+            # The rows stay due for the other replicas: here they wake the worker only once its hold is over.
+            due = [max(at, held) for at in due]
+        return min([worker.scan_at, *due])
+
+    def _held(self, worker: _Worker) -> bool:
+        """Whether the platform refused this process's token within its backoff (see :attr:`_Worker.held_until`)."""
+        return worker.held_until is not None and self.clock() < worker.held_until
+
+    def _hold(self, worker: _Worker, delay: float, why: str) -> None:
+        """The platform refused this process's token: its posts and scanned edits wait ``delay`` seconds here (a
+        longer wait already running is kept), then one of them asks again; a scan is due when the hold ends."""
+        until = self.clock() + delay
+        worker.held_until = until if worker.held_until is None else max(worker.held_until, until)
+        worker.retry_at = worker.held_until if worker.retry_at is None else min(worker.retry_at, worker.held_until)
+        self._cards_refused[worker.adapter.name] = why
+
+    def _token_good(self, worker: _Worker) -> None:
+        """A card post or edit landed: the platform takes this process's token (again)."""
+        worker.held_until = None
+        self._cards_refused.pop(worker.adapter.name, None)
 
     async def _drain_posts(self, worker: _Worker) -> None:
         adapter = worker.adapter
@@ -879,6 +917,13 @@ class FanOutBus:
             if kept:
                 log.warning("bus.card_posts_kept", platform=adapter.name, posts=kept, why=refused)
             return
+        if self._held(worker):
+            # The token was refused: one post asks again when the hold ends (see _post). Those queued since only
+            # say why they wait (doctor lists them), as the ones waiting then do.
+            why = self._cards_refused.get(adapter.name)
+            if why is not None:
+                _, worker.kept_upto = await self.outbox.kept(adapter.name, why, above=worker.kept_upto)
+            return
         for index, job in enumerate(await self.outbox.due(adapter.name)):
             if self._stopping:
                 return
@@ -889,12 +934,13 @@ class FanOutBus:
                 # (an agent's card is not held behind a batch of API cards read before it came). At least one
                 # post per pass, so a stream of kicks cannot hold every post back.
                 return
-            if await self._post(adapter, job):
+            if await self._post(worker, job):
                 return  # the token was refused: the rest of this pass waits with every other post (see _post)
 
-    async def _post(self, adapter: PlatformAdapter, job: PostJob) -> bool:
-        """Post ``job``'s card wherever its policy sends it on ``adapter``'s platform. True: the platform refused
-        the token it carried (Telegram's 401), and every post waiting on it was put back untried."""
+    async def _post(self, worker: _Worker, job: PostJob) -> bool:
+        """Post ``job``'s card wherever its policy sends it on ``worker``'s platform. True: the platform refused
+        the token it carried (Telegram's 401), and this process holds every post waiting on it untried."""
+        adapter = worker.adapter
         request = await self.store.get(job.request_id)
         if request is None:
             await self.outbox.done(job, "dropped", "unknown request")
@@ -973,11 +1019,10 @@ class FanOutBus:
                 self._dm_refused.discard((adapter.name, place.person))
             await self._record_post(request.id, ref, bound_to=place.person, reposted=_reposts(adapter, job))
             recorded.add(ref.chat)
-            self._cards_refused.pop(adapter.name, None)
+            self._token_good(worker)
             log.info("bus.card_posted", platform=adapter.name, request_id=request.id, chat=ref.chat,
                      message=ref.message_id, person=place.person)  # fmt: skip
-        worker = self._workers.get(adapter.name)
-        if worker is not None and request.id in worker.to_settle:
+        if request.id in worker.to_settle:
             # Decided while this post was under way: the decision's one read of the request's cards (shared by
             # every platform) may have been made before this card was recorded. Read them again for this
             # platform, or the card keeps its buttons until the slow safety scan.
@@ -991,16 +1036,17 @@ class FanOutBus:
                 # token Telegram refused) is tried again as seldom as the backoff's longest wait, not at its first.
                 delay = RETRY.delay(RETRY_LONGEST, retry_after=retry_after)
             error = str(retry) or type(retry).__name__
-            await self.outbox.retry_later(job, delay, error, attempted=may_have_landed)
             if refused:
                 # Every other post carries the same token: each was tried in turn and refused, one refused call
                 # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
-                # wait with this one, untried, so one post a backoff asks whether the token is good again.
-                self._cards_refused[adapter.name] = error
-                held = await self.outbox.hold(adapter.name, delay, error)
+                # wait with this one, untried, so one post a backoff asks whether the token is good again. They
+                # wait here only: the rows stay due for a replica whose token works (see Outbox.refused).
+                held, worker.kept_upto = await self.outbox.refused(job, error)
+                self._hold(worker, delay, error)
                 log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
                             error=error)  # fmt: skip
                 return True
+            await self.outbox.retry_later(job, delay, error, attempted=may_have_landed)
         elif failed and not recorded:
             await self.outbox.done(job, "failed", "; ".join(failed))
         else:
@@ -1087,7 +1133,10 @@ class FanOutBus:
                 chat = await self._chat_of(adapter, place)
                 if chat in recorded:
                     continue
-                if chat == adapter.home_chat:
+                earlier = await self._look_for_card(adapter, request, chat)
+                if earlier is not None:
+                    ref = earlier
+                elif chat == adapter.home_chat:
                     ref = await within(
                         adapter.post_card(card), self.platform_timeout, platform=adapter.name, site="card_post"
                     )
@@ -1113,6 +1162,21 @@ class FanOutBus:
         await self.outbox.done(job, "posted", f"found again by its nonce after the request was {request.status.value}")
         if found:
             await self.settle(request.id)
+
+    async def _look_for_card(self, adapter: PlatformAdapter, request: ApprovalRequest, chat: str) -> CardRef | None:
+        """The card an unrecorded attempt landed in ``chat``, found among its recent messages where the platform
+        can (see :class:`FindsCards`): its nonce may be forgotten by now. None: post again with the nonce (a failed
+        look too: the nonce finds it while the platform still keeps it)."""
+        if not isinstance(adapter, FindsCards):
+            return None
+        try:
+            return await within(
+                adapter.find_card(request.id, chat), self.platform_timeout, platform=adapter.name, site="card_find"
+            )
+        except (PlatformError, TimeoutError) as exc:
+            log.warning("bus.card_look_failed", platform=adapter.name, request_id=request.id,
+                        error=str(exc) or type(exc).__name__)  # fmt: skip
+            return None
 
     async def _record_post(
         self,
@@ -1257,12 +1321,16 @@ class FanOutBus:
         if setup_refused(adapter) is not None:  # its edits wait for the restart, as its posts (see _drain_posts)
             worker.retry_at = None
             return
+        if self._held(worker):  # the token was refused: one edit asks again when the hold ends (see _settle_one)
+            return
         for posted in await self.store.unsettled_cards(adapter.name, due_by=now):
             if self._stopping:
                 return
             if await self._settle_one(worker, posted):
                 break  # the token was refused: the rest wait with that edit (see _settle_one)
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
+        if self._held(worker) and worker.held_until is not None:  # the refused edits are due in the rows already
+            worker.retry_at = worker.held_until if worker.retry_at is None else min(worker.retry_at, worker.held_until)
 
     async def _settle_one(
         self,
@@ -1341,10 +1409,16 @@ class FanOutBus:
                 return False
             attempts = await self.store.settle_attempts(posted)
             delay = RETRY.delay(attempts + 1, retry_after=retry_after)
-            # The retry time lives in the card's row: a scan before then does not even read it.
-            await self.store.settle_failed(posted, delay)
-            due = self.clock() + delay
-            worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
+            refused = isinstance(exc, PlatformError) and exc.operator_must_act and exc.nothing_done
+            if refused:
+                # This process's token: the edit is due at once for a replica whose token works, and this one
+                # waits in its memory (see ApprovalStore.settle_refused).
+                await self.store.settle_refused(posted)
+            else:
+                # The retry time lives in the card's row: a scan before then does not even read it.
+                await self.store.settle_failed(posted, delay)
+                due = self.clock() + delay
+                worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
             log.warning(
                 "bus.card_settle_failed",
                 platform=adapter.name,
@@ -1353,16 +1427,15 @@ class FanOutBus:
                 retry_in=round(delay, 2),
                 error=str(exc) or type(exc).__name__,
             )
-            if isinstance(exc, PlatformError) and exc.operator_must_act and exc.nothing_done:
+            if refused:
                 # Every other edit carries the same token: each was tried in turn and refused, one refused call
                 # per decided card at every backoff. They wait with this one, untried (see _post's hold).
-                self._cards_refused[adapter.name] = str(exc)
-                held = await self.store.settles_held(adapter.name, delay)
-                log.warning("bus.card_settles_held", platform=adapter.name, cards=held, retry_in=round(delay, 2))
+                self._hold(worker, delay, str(exc))
+                log.warning("bus.card_settles_held", platform=adapter.name, retry_in=round(delay, 2))
                 return True
             return False
         edited = time.time()  # what the histogram counts: the card shows the outcome (its row may ride after)
-        self._cards_refused.pop(adapter.name, None)
+        self._token_good(worker)
         if failpoints.armed:
             await failpoints.reached(
                 "bus.settle.recorded", lambda: simulated_failure(self.store.tables, "card_settled"), where=adapter.name

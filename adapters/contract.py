@@ -391,6 +391,17 @@ def singleton_ingress(adapter: object) -> SingletonIngress | None:
 
 
 @runtime_checkable
+class FindsCards(Protocol):
+    """A platform whose card posts are idempotent only for a while (Discord keeps a nonce minutes): a card an
+    unrecorded attempt landed is looked for among the chat's recent messages after that."""
+
+    async def find_card(self, request_id: str, chat: str) -> CardRef | None:
+        """The bot's card of ``request_id`` among ``chat``'s recent messages, or None when none is there. Raises
+        :class:`PlatformError` (e.g. the bot may not read the channel's history)."""
+        ...
+
+
+@runtime_checkable
 class RoutesCards(Protocol):
     """A platform that posts a card where a policy sends it (``approvals.policies.<name>.to``): into a chat it
     serves other than its home chat, or into a person's direct messages with the bot."""

@@ -219,21 +219,35 @@ class Outbox:
         writer = await self.tables.writer()
         return await writer.submit(op)
 
-    async def hold(self, platform: str, delay: float, why: str) -> int:
-        """Every post waiting on ``platform`` (none claimed) goes in ``delay`` seconds, saying ``why``, without an
-        attempt: the platform refused the token every one of them carries (Telegram's 401), so trying the others
-        meanwhile only asks the same question again. How many wait so."""
+    async def refused(self, job: PostJob, why: str) -> tuple[int, int | None]:
+        """The platform refused the token ``job``'s claimed attempt carried (Telegram's 401): that attempt certainly
+        landed nothing and is taken back from the count (see :meth:`retry_later`), and ``job`` is due again now,
+        as is every other post waiting on its platform: they only say ``why`` they wait (``kazma doctor``).
+
+        Nothing is moved later here. The token refused is this process's: during a rolling token change another
+        replica's works, and a refusal that held the shared rows by a backoff held that replica's posts too, again
+        at each refused try, so its cards never went out. The refusing process waits out its backoff in its own
+        memory (the bus worker's hold) and tells the others to look now. How many posts say ``why``, and the highest
+        id of a waiting post (for :meth:`kept`'s ``above``, telling those queued later why they wait)."""
         now = self.clock()
 
-        def op(tx: Tx) -> int:
-            return tx.run(
-                "UPDATE card_outbox SET next_at = ?, last_error = ? WHERE platform = ? AND done_at IS NULL"
-                " AND claimed_by IS NULL AND next_at < ?",  # later, never sooner than a wait of its own
-                (now + delay, why, platform, now + delay),
+        def op(tx: Tx) -> tuple[int, int | None]:
+            tx.run(
+                "UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL,"
+                " attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END WHERE id = ? AND done_at IS NULL",
+                (now, why, job.id),
             )
+            said = tx.run(
+                "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL"
+                " AND claimed_by IS NULL AND id != ?",
+                (why, job.platform, job.id),
+            )
+            tx.notify(CARDS_CHANNEL, job.platform)  # another replica's token may work: it looks at once
+            row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (job.platform,))
+            return int(said) + 1, None if row is None or row[0] is None else int(row[0])
 
         writer = await self.tables.writer()
-        return int(await writer.submit(op))
+        return await writer.submit(op)
 
     async def due_now(self, platforms: Sequence[str]) -> int:
         """Every post waiting on ``platforms`` (none claimed) is due now; how many. For platforms that have just

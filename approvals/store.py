@@ -1840,19 +1840,24 @@ class ApprovalStore:
 
         return await self._write(op) == 1
 
-    async def settles_held(self, platform: str, retry_in: float) -> int:
-        """Every decided card's edit on ``platform`` waiting (none claimed) is tried again in ``retry_in`` seconds,
-        never sooner than a wait of its own, without an attempt: the platform refused the token every edit carries
-        (Telegram's 401). How many wait so. A pending request's card is left alone: its decision edits it at once."""
-        retry_at = self.clock() + retry_in
+    async def settle_refused(self, card: PostedCard) -> int:
+        """The platform refused the token ``card``'s edit carried (Telegram's 401): counted as a failed edit (its
+        count stretches the refusing process's wait), yet due again now, and every other replica is told to edit
+        it at once. How many times it has failed now.
+
+        The token refused is this process's: during a rolling token change another replica's works. A refusal that
+        held the shared rows by a backoff held that replica's edits too, so decided cards kept live buttons; the
+        refusing process waits in its own memory instead (the bus worker's hold)."""
 
         def op(tx: Tx) -> int:
-            return tx.run(
-                "UPDATE approval_cards SET retry_at = ? WHERE platform = ? AND settled_at IS NULL"
-                " AND settle_claimed_by IS NULL AND (retry_at IS NULL OR retry_at < ?)"
-                " AND request_id IN (SELECT id FROM approval_requests WHERE status != 'pending')",
-                (retry_at, platform, retry_at),
+            row = tx.one(
+                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = NULL,"
+                " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
+                " RETURNING settle_attempts",
+                (card.request_id, card.platform, card.chat, card.message_id),
             )
+            tx.notify(DECIDED_CHANNEL, card.request_id)  # each replica edits a decided request's cards at once
+            return 0 if row is None else int(row[0])
 
         return await self._write(op)
 

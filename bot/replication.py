@@ -368,7 +368,8 @@ class Replication:
         if channel == DECIDED_CHANNEL and payload:
             self.service.wake(payload)  # a call waiting here goes on at once
             # the edits are claimed: one replica makes each
-            self._tasks.spawn(self.bus.settle(payload), name=f"kazma-settle-{payload}")
+            settle = self.bus.settle_told if isinstance(self.bus, FanOutBus) else self.bus.settle
+            self._tasks.spawn(settle(payload), name=f"kazma-settle-{payload}")
         elif channel == CARDS_CHANNEL and isinstance(self.bus, FanOutBus):
             self.bus.posts_waiting([p for p in payload.split(",") if p] or None)
 

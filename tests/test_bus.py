@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kazma.adapters import bus as bus_module
 from kazma.adapters.bus import FanOutBus, NullBus
 from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import MIGRATIONS as OUTBOX
@@ -24,6 +25,7 @@ from kazma.approvals import MIGRATIONS as APPROVALS
 from kazma.approvals import ApprovalCard, ApprovalService, ApprovalStore, Decision, Outcome, PressResult, Status
 from kazma.approvals.service import ApprovalRefused
 from kazma.config.address import Address
+from kazma.config.backoff import Backoff
 from kazma.config.metrics import failure_count
 from kazma.config.outgoing import Outgoing
 from kazma.config.store.database import connect, open_database
@@ -265,3 +267,30 @@ async def test_a_card_that_cannot_be_queued_ends_its_request_at_once_and_the_ask
         assert "could not be queued" in (request.reason or "")
         assert await r.service.store.requests(pending_only=True) == []
         assert platform.posts == []
+
+
+async def test_an_edit_another_replica_hands_back_waits_out_this_process_s_own_refused_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica whose token Telegram refused hands the edit back to the others at once (ApprovalStore.settle_refused
+    tells them). One whose own token was refused too waits out its hold instead of trying it at once: two replicas
+    with a stale token would hand each edit back and forth, one refused call each time, without end."""
+    monkeypatch.setattr(bus_module, "RETRY", Backoff(base=1000, cap=1000, jitter=False))
+    refusal = PlatformError("telegram", "card_settle", "InvalidToken: Unauthorized", retryable=True,
+                            operator_must_act=True, nothing_done=True)  # fmt: skip
+    telegram = MemoryPlatform("telegram")
+    async with rig(tmp_path / "k.db", [telegram]) as r:
+        request = await r.service.open("shell", {"command": "ls"}, "agent:b", "web:c")
+        await wait_for(telegram.posted)
+        telegram.failures.append(refusal)  # the decision's edit meets it
+        assert (await r.service.decide(request.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        worker = r.bus._workers["telegram"]
+        async with asyncio.timeout(20):
+            while worker.held_until is None or worker.to_settle:
+                await asyncio.sleep(0.01)
+        await r.bus.settle_told(request.id)  # another replica's refused edit of it, handed back
+        assert not worker.to_settle
+        assert telegram.settled == []
+        await r.bus.settle(request.id)  # a decision made here is tried at once all the same
+        await wait_for(telegram.settled_event)
+        assert [summary.split(" ")[0] for _, summary in telegram.settled] == ["denied"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+import tests.fakes.discord as fake_discord
 from kazma.adapters import bus
 from kazma.adapters.bus import REPOSTED, FanOutBus
 from kazma.adapters.outbox import Outbox, PostJob
@@ -290,6 +291,47 @@ async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is
         assert "APPROVED" in fakes.card_text("discord")
 
 
+@pytest.mark.parametrize("history", ["readable", "refused"])
+async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found_in_the_channel_and_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, history: str
+) -> None:
+    """As above, with the restart later than Discord keeps a nonce (minutes): posting again with the nonce made a
+    second card, and the first, never recorded, kept live buttons. It is found among the channel's recent
+    messages by the request id in its footer. A bot that may not read the history posts with the nonce, as
+    before: while Discord keeps it, that finds the card still."""
+    store = tmp_path / "k.db"
+    async with three_fakes() as fakes:
+        token = fakes.discord.token
+
+        def reset() -> None:
+            fakes.discord.token = "reset-in-the-developer-portal"
+
+        fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+        async with kazma_on(fakes, store) as app:
+            request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
+            assert await _kept(app, request.id, "discord") == 1
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
+                                               platform="telegram")  # fmt: skip
+            assert decided.won
+        _heal(fakes, "discord", token)
+        if history == "readable":
+            monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
+        else:
+            fakes.discord.history_readable = False
+        async with kazma_on(fakes, store) as app:
+
+            async def settled() -> bool:
+                cards = [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]
+                return bool(cards) and all(c.settled_at for c in cards)
+
+            await _until(settled)
+        assert len(_cards_on(fakes, "discord")) == 1  # the first message, found
+        assert not fakes.has_buttons("discord")
+        assert "APPROVED" in fakes.card_text("discord")
+        assert (fakes.discord.history_reads > 0) is (history == "readable")
+        assert fakes.discord.nonce_replays == (0 if history == "readable" else 1)
+
+
 async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed_one_with_its_number(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,6 +460,8 @@ async def test_a_telegram_401_on_one_kept_post_puts_back_the_other_due_posts_unt
         pending = [(a, e) for r, p, a, e in await _outbox(app).pending() if p == "telegram"]
         assert len(pending) == 4
         assert all(a == 0 and e and "InvalidToken" in e for a, e in pending)
+        # ... held by this process alone: in the shared rows they stay due, for a replica whose token works
+        assert len(await _outbox(app).due("telegram")) == 4
 
 
 async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
@@ -443,7 +487,9 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
             assert decided.won
 
         async def each_failed() -> bool:
-            return failure_count("card_settle", "telegram") >= failed + len(requests)
+            # ... and the bus is done with each decision's edit (its refusal handled, not only counted)
+            done = not bus_of_app._workers["telegram"].to_settle
+            return done and failure_count("card_settle", "telegram") >= failed + len(requests)
 
         await _until(each_failed)
         tried = len(fakes.telegram.calls_to("editMessageText"))
@@ -453,6 +499,9 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
         unsettled = [c for r in requests for c in await app.service.store.cards(r.id) if c.platform == "telegram"]
         assert len(unsettled) == 4
         assert not any(c.settled_at for c in unsettled)
+        # ... held by this process alone: in the shared rows they stay due, for a replica whose token works
+        due = await app.service.store.unsettled_cards("telegram", due_by=bus_of_app.clock())
+        assert len(due) == 4
 
 
 async def test_healthz_says_telegram_refuses_the_cards_token_until_a_card_lands(

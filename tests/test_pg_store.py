@@ -156,29 +156,25 @@ async def test_press_checks_the_card_in_the_same_operation(backend: Backend) -> 
     assert [e.event for e in await store.events(request_id)] == ["opened", "card_posted", "decided", "press_lost"]
 
 
-async def test_settles_held_puts_back_every_decided_cards_edit_of_a_platform(backend: Backend) -> None:
-    """Telegram refused the token (401) on one card's edit: every decided card's edit there waits as long, untried;
-    a pending request's card (its decision edits it at once), another platform's, and a longer wait are left."""
+async def test_a_refused_card_edit_is_counted_and_due_at_once_for_another_replica(backend: Backend) -> None:
+    """Telegram refused the token (401) on one card's edit: the refusing process waits in its own memory. The rows
+    were held by its backoff, every decided card's edit with them, so a replica whose token works left them
+    unedited (live buttons) as long; they stay due, the refused one counted as a failed edit."""
     clock = ManualClock()
-    store = ApprovalStore(backend.store, clock=clock)
+    store = ApprovalStore(backend.store, clock=clock, replica="a")
     decided = await _open(store, clock, 1)
     waiting = await _open(store, clock, 2)
-    pending = await _open(store, clock, 3)
-    for request_id in (decided, waiting, pending):
-        await store.record_card(request_id, "telegram", "-100", request_id)
-    await store.record_card(decided, "slack", "C1", "1.2")
     for request_id in (decided, waiting):
+        await store.record_card(request_id, "telegram", "-100", request_id)
         await store.finish(request_id, Status.DENIED, actor="slack:U1", platform="slack")
-    [long] = await store.cards_to_settle(waiting, "telegram")
-    assert await store.settle_failed(long, retry_in=500) == 1
-    assert await store.settles_held("telegram", 60) == 1
-    assert await store.unsettled_cards("telegram", due_by=clock.now) == []
-    assert [c.platform for c in await store.unsettled_cards(due_by=clock.now)] == ["slack"]
-    assert await store.next_settle_retry("telegram") == pytest.approx(clock.now + 60)
-    clock.advance(60)
-    assert [c.request_id for c in await store.unsettled_cards("telegram", due_by=clock.now)] == [decided]
-    await store.finish(pending, Status.APPROVED, actor="slack:U1", platform="slack")
-    assert [c.request_id for c in await store.unsettled_cards("telegram", due_by=clock.now)] == [decided, pending]
+    [refused] = await store.cards_to_settle(decided, "telegram")
+    assert await store.claim_settle(refused, lease=30)
+    assert await store.settle_refused(refused) == 1
+    assert await store.settle_attempts(refused) == 1
+    due = await store.unsettled_cards("telegram", due_by=clock.now)
+    assert sorted(c.request_id for c in due) == sorted([decided, waiting])
+    assert await store.next_settle_retry("telegram") is None
+    assert await store.claim_settle(refused, lease=30)  # another replica takes it now
 
 
 async def test_audit_rows_carry_the_request_hash(backend: Backend) -> None:
@@ -275,28 +271,32 @@ async def test_outbox_an_attempt_that_landed_nothing_is_taken_back_and_kept_post
     ]
 
 
-async def test_outbox_hold_puts_back_every_waiting_post_of_a_platform_untried(backend: Backend) -> None:
-    """Telegram refused the token (401): every post waiting on it waits the same backoff, untried, saying why; a
-    claimed post, another platform's and one already waiting longer are left as they are."""
+async def test_a_refused_post_is_due_at_once_and_every_waiting_post_says_why_unmoved(backend: Backend) -> None:
+    """Telegram refused the token (401) on one post: the refusing process waits in its own memory. Every waiting
+    post was held by its backoff in the shared rows, so a replica whose token works posted none meanwhile; now they
+    stay due, saying why, the refused attempt taken back, and a post claimed elsewhere is left as it is."""
     clock = ManualClock()
     outbox = Outbox(backend.store, clock=clock)
     for request_id in ("r1", "r2", "r3"):
         await outbox.enqueue(request_id, ["telegram"])
     await outbox.enqueue("r4", ["slack"])
-    first, _, third = await outbox.due("telegram")
-    assert await outbox.claim(first, lease=100)
-    assert await outbox.claim(third, lease=30)
-    await outbox.retry_later(third, 500, "a wait of its own")
-    assert await outbox.hold("telegram", 60, "telegram card_post: InvalidToken: Unauthorized") == 1
-    assert await outbox.due("telegram") == []
+    first, second, _ = await outbox.due("telegram")
+    assert await outbox.claim(first, lease=100)  # another replica's
+    assert await outbox.claim(second, lease=30)
+    why = "telegram card_post: InvalidToken: Unauthorized"
+    said, highest = await outbox.refused(second, why)
+    assert said == 2
+    assert [j.request_id for j in await outbox.due("telegram")] == ["r2", "r3"]
     assert [(r, p, a, e) for r, p, a, e in await outbox.pending()] == [
         ("r1", "telegram", 1, None),
-        ("r2", "telegram", 0, "telegram card_post: InvalidToken: Unauthorized"),
-        ("r3", "telegram", 1, "a wait of its own"),
+        ("r2", "telegram", 0, why),
+        ("r3", "telegram", 0, why),
         ("r4", "slack", 0, None),
     ]
-    clock.advance(60)
-    assert [j.request_id for j in await outbox.due("telegram")] == ["r2"]
+    await outbox.enqueue("r5", ["telegram"])  # queued while the refusing process waits: it says why too
+    assert (await outbox.kept("telegram", why, above=highest))[0] == 1
+    assert [(r, e) for r, p, _, e in await outbox.pending() if p == "telegram"][1:] == [("r2", why), ("r3", why),
+                                                                                        ("r5", why)]  # fmt: skip
 
 
 async def test_a_post_claimed_by_a_replica_that_died_is_due_again_after_its_lease(backend: Backend) -> None:

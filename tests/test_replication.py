@@ -13,16 +13,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 import pytest
 from structlog.testing import capture_logs
 
 from kazma.adapters.bus import FanOutBus
-from kazma.adapters.contract import Handlers, Inbound, Press
+from kazma.adapters.contract import CardRef, Handlers, Inbound, PlatformError, Press
 from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalService, ApprovalStore, Decision, PressResult, Status
+from kazma.approvals.card import ApprovalCard
+from kazma.approvals.model import Outcome
 from kazma.approvals.service import REPLICA_GONE
 from kazma.bot.replication import Replication
 from kazma.bot.store import pg_migrations
@@ -377,3 +379,95 @@ async def test_doctor_names_the_replicas_and_the_leader(dsn: str) -> None:
         async with replica(dsn, "b", platforms):
             check = await check_replicas(loaded)
             assert (check.level, check.detail) == (Level.OK, "a (leader), b")
+
+
+@dataclass
+class StaleToken(MemoryPlatform):
+    """Telegram as a replica with a stale token sees it (a rolling token change): every post and edit answered
+    401, which certainly did nothing; ``refusing`` False: it still takes them."""
+
+    refusing: bool = True
+    refused: int = 0
+
+    def _refuse(self, site: str) -> None:
+        if self.refusing:
+            self.refused += 1
+            raise PlatformError(self.name, site, "InvalidToken: Unauthorized", retryable=True,
+                                operator_must_act=True, nothing_done=True)  # fmt: skip
+
+    async def post_card(self, card: ApprovalCard) -> CardRef:
+        self._refuse("card_post")
+        return await super().post_card(card)
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        self._refuse("card_settle")
+        await super().settle_card(ref, card, outcome)
+
+
+@dataclass
+class Gated(MemoryPlatform):
+    """Telegram as a replica whose token works sees it: its edits wait for ``gate``."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        await self.gate.wait()
+        await super().settle_card(ref, card, outcome)
+
+
+async def test_a_replica_whose_token_is_refused_does_not_hold_the_card_posts_of_a_replica_whose_token_works(
+    dsn: str,
+) -> None:
+    """During a rolling token change one replica still carries the old token: Telegram answers its post 401. Its
+    refusal held every waiting post in the shared outbox by the longest backoff (a minute), again at each refused
+    try, so the replica whose token works posted none of them in the meantime. Only the refusing replica waits."""
+    stale = StaleToken("telegram")
+    gate = asyncio.Event()
+    good = MemoryPlatform("telegram", hang=gate)  # its posts wait, so the refusing replica tries some first
+    async with replica(dsn, "a", [stale]) as a, replica(dsn, "b", [good]) as b:
+        requests = [await a.service.open("shell", {"command": f"ls {n}"}, "agent:b", "web:c") for n in range(6)]
+
+        async def refused_once() -> bool:
+            return stale.refused >= 1
+
+        await until(refused_once)
+        gate.set()
+
+        async def all_posted() -> bool:
+            return not await b.outbox.pending()
+
+        await until(all_posted, timeout=10)  # the refusing replica's hold is a minute
+        assert sorted(c.request_id for c in good.posts) == sorted(r.id for r in requests)
+        assert stale.posts == []
+
+
+async def test_a_replica_whose_token_is_refused_does_not_hold_the_card_edits_of_a_replica_whose_token_works(
+    dsn: str,
+) -> None:
+    """As with posts: a replica's refused edit of a decided card held every other decided card's edit in the shared
+    rows, so the cards kept live buttons although another replica's token could edit them."""
+    stale = StaleToken("telegram", refusing=False)
+    good = Gated("telegram")
+    async with replica(dsn, "a", [stale]) as a, replica(dsn, "b", [good]) as b:
+        requests = [await a.service.open("shell", {"command": f"ls {n}"}, "agent:b", "web:c") for n in range(6)]
+
+        async def all_posted() -> bool:
+            return not await b.outbox.pending()
+
+        await until(all_posted)
+        stale.refusing = True
+        for r in requests:
+            assert (await a.service.decide(r.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+
+        async def refused_once() -> bool:
+            return stale.refused >= 1
+
+        await until(refused_once)  # b's edits wait meanwhile, so the refusing replica tries some first
+        good.gate.set()
+
+        async def all_settled() -> bool:
+            return not await b.approvals.unsettled_cards()
+
+        await until(all_settled, timeout=10)  # the claims run out after 30 s, the safety scan after a minute
+        assert stale.refused >= 1
+        assert len(good.settled) == len(requests)

@@ -100,6 +100,8 @@ T = TypeVar("T")
 DEFAULT_API_BASE: Final = "https://discord.com/api/v10"
 DEFAULT_GATEWAY: Final = "wss://gateway.discord.gg/"
 NONCE_LENGTH: Final = 25  # Discord's limit for a message nonce
+# How many of a channel's latest messages are read looking for a card whose nonce Discord forgot (one request).
+FIND_CARD_MESSAGES: Final = 100
 # Discord allows a bot 1,000 gateway session starts (IDENTIFY) a day and resets the token of one that goes past
 # them. A gateway closed for a setting (an intent switched off in the portal) is refused again until the operator
 # changes it, so it is opened again at most this often: 288 a day, not the ingress check's 2,880 (every 30 s).
@@ -864,6 +866,26 @@ class DiscordAdapter(PlatformBase):
 
     # Card posts are idempotent on Discord (their nonce): the bus need not mark a post tried again.
     idempotent_posts = True
+
+    async def find_card(self, request_id: str, chat: str) -> CardRef | None:
+        """The bot's card of ``request_id`` among ``chat``'s last :data:`FIND_CARD_MESSAGES` messages, by the
+        request id its embed's footer carries (``GET /channels/{id}/messages``). Discord answers a repeated nonce
+        with the first message only for minutes: after a restart later than that, posting again made a second card
+        and the first, never recorded, kept live buttons."""
+        site = "card_find"
+        client = self._connected(site)
+        channel = self._target(site, chat, None)
+        footer = f"request {request_id}"
+
+        async def look() -> discord.Message | None:
+            async for message in channel.history(limit=FIND_CARD_MESSAGES):
+                bots = client.user is not None and message.author.id == client.user.id
+                if bots and any(embed.footer.text == footer for embed in message.embeds):
+                    return message
+            return None
+
+        found = await self._rest(site, look)
+        return None if found is None else CardRef(self.name, chat, str(found.id))
 
     async def direct_chat(self, user: str) -> str:
         """The bot's DM channel with ``user`` (``POST /users/@me/channels``; Discord gives the same one again)."""

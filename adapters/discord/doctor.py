@@ -67,7 +67,7 @@ _NEEDS = (
     ("view_channel", "View Channels", "see it"),
     ("send_messages", "Send Messages", "post cards and reports"),
     ("embed_links", "Embed Links", "cards are embeds"),
-    ("read_message_history", "Read Message History", "find the card a press came from"),
+    ("read_message_history", "Read Message History", "find the card a press came from, or a crash left unrecorded"),
     ("attach_files", "Attach Files", "post files and cut calls whole"),
 )
 

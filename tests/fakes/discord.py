@@ -274,6 +274,8 @@ class FakeDiscord:
         # same author within NONCE_SECONDS returns that message instead of making another (Discord's rule)
         self._nonces: dict[tuple[int, int, str], tuple[int, float]] = {}
         self.nonce_replays = 0  # posts answered with an earlier message because of their nonce
+        self.history_readable = True  # False: the bot lacks Read Message History (its list of messages is 403)
+        self.history_reads = 0  # lists of a channel's messages answered
         self.webhooks: dict[int, Json] = {}
         self.commands: list[Json] = []
         self.interactions: dict[str, FakeInteraction] = {}
@@ -314,6 +316,7 @@ class FakeDiscord:
         app.router.add_post(f"{api}/channels/{{channel}}/messages", self._post_message)
         app.router.add_post(f"{api}/channels/{{channel}}/typing", self._post_typing)
         app.router.add_get("/attachments/{channel}/{id}/{name}", self._get_attachment)
+        app.router.add_get(f"{api}/channels/{{channel}}/messages", self._list_messages)
         app.router.add_get(f"{api}/channels/{{channel}}/messages/{{message}}", self._get_message)
         app.router.add_patch(f"{api}/channels/{{channel}}/messages/{{message}}", self._patch_message)
         app.router.add_delete(f"{api}/channels/{{channel}}/messages/{{message}}", self._delete_message)
@@ -1201,6 +1204,27 @@ class FakeDiscord:
         if message is None or int(message["channel_id"]) != channel:
             return self._not_found(10008, "Message")
         return message
+
+    async def _list_messages(self, request: web.Request) -> web.Response:
+        """``GET /channels/{id}/messages``: the latest ``limit`` (1-100, 50 by default) messages, newest first, or
+        those older than ``before``; 403 without Read Message History (``history_readable`` False here)."""
+        channel = self._channel_or_404(request)
+        if isinstance(channel, web.Response):
+            return channel
+        if not self.history_readable:
+            return self._error(403, 50013, "Missing Permissions")
+        try:
+            limit = int(request.query.get("limit", "50"))
+            before = int(request.query["before"]) if "before" in request.query else None
+        except ValueError:
+            return self._error(400, 50035, "Invalid Form Body", {"limit": "an integer"})
+        if not 1 <= limit <= 100:
+            return self._error(400, 50035, "Invalid Form Body", {"limit": "between 1 and 100"})
+        ids = sorted((i for i, m in self.messages.items() if int(m["channel_id"]) == channel), reverse=True)
+        if before is not None:
+            ids = [i for i in ids if i < before]
+        self.history_reads += 1
+        return self._json([self.messages[i] for i in ids[:limit]])
 
     async def _get_message(self, request: web.Request) -> web.Response:
         message = self._message_or_404(request)
