@@ -36,11 +36,15 @@ class TerminalAdapter:
         auto: Decision | None = Decision.APPROVE,
         chat: str = "terminal",
         link_note: str | None = None,
+        end_of_input: Decision | None = None,
     ) -> None:
         self.login = login
         self.link_note = link_note  # shown instead of the card's link when no console serves it
         self.out = out or sys.stdout
-        self.interactive = sys.stdin.isatty() if interactive is None else interactive
+        self.interactive = stdin_is_terminal() if interactive is None else interactive
+        # Pressed when the input ends at the prompt (Ctrl-D) where no other door can decide the card: waiting
+        # there left `kazma demo --terminal` silent until the deadline, with nothing left to type into.
+        self.end_of_input = end_of_input
         self.auto = auto
         self.chat = chat
         self._ids = itertools.count(1)
@@ -99,8 +103,13 @@ class TerminalAdapter:
                 while chosen is None:
                     answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
                     if answer is None:
-                        return
-                    chosen = _ANSWERS.get(answer.strip().lower())
+                        if self.end_of_input is None:
+                            self._print(f"\n(end of input: nothing pressed here; decide {card.tool} on its page)")
+                            return
+                        self._print(f"\n(end of input: pressing {self.end_of_input.value}, nothing else can here)")
+                        chosen = self.end_of_input
+                    else:
+                        chosen = _ANSWERS.get(answer.strip().lower())
                 decision = chosen
             else:
                 answer = await _read_line(f"deny {card.tool} here, or approve it on its page? [d] ")
@@ -121,6 +130,11 @@ class TerminalAdapter:
     async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
         self._presses.cancel()  # decided elsewhere: stop waiting for a keypress
         self._print(f"[card {card.request_id}] {reveal_line(outcome.summary())}; its buttons are gone")
+
+
+def stdin_is_terminal() -> bool:
+    """Whether a person can type here: with standard input closed (``kazma demo 0<&-``) ``sys.stdin`` is None."""
+    return sys.stdin is not None and sys.stdin.isatty()
 
 
 _ANSWERS = {"a": Decision.APPROVE, "approve": Decision.APPROVE, "d": Decision.DENY, "deny": Decision.DENY}

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from click.testing import CliRunner
@@ -91,9 +92,10 @@ def test_config_flag_and_env_variable_pick_the_file(tmp_path: Path) -> None:
 
 class _Models(BaseHTTPRequestHandler):
     status = 200
+    answer: ClassVar[object] = {"object": "list", "data": [{"id": "llama3.1"}]}
 
     def do_GET(self) -> None:
-        body = json.dumps({"object": "list", "data": [{"id": "llama3.1"}]}).encode()
+        body = json.dumps(self.answer).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -249,12 +251,29 @@ class _Missing(_Models):
     status = 404
 
 
+class _Loading(_Models):
+    status = 503
+
+
+class _AList(_Models):
+    answer: ClassVar[object] = [{"id": "llama3.1"}]
+
+
+class _NoData(_Models):
+    answer: ClassVar[object] = {"object": "list", "data": None}
+
+
 @pytest.mark.parametrize(
     ("model_server", "name", "said"),
     [
         (_Models, "gpt-x", "reachable, but model 'gpt-x' is not listed (llama3.1): set models.backup.name to one"),
         (_Rejecting, "llama3.1", "the server rejected the API key (HTTP 401): check models.backup.api_key"),
         (_Missing, "llama3.1", "HTTP 404: is models.backup.base_url the API's base (usually ending in /v1)?"),
+        # a server error is the server's (a model still loading), not a wrong base_url; a JSON answer that is no
+        # model list ended doctor in AttributeError / TypeError, a traceback instead of the checklist
+        (_Loading, "llama3.1", "HTTP 503: the model server failed to answer: see its log, then run doctor again"),
+        (_AList, "llama3.1", "answered, but not with a model list: is models.backup.base_url an OpenAI-compatible"),
+        (_NoData, "llama3.1", "answered, but not with a model list: is models.backup.base_url an OpenAI-compatible"),
     ],
     indirect=["model_server"],
 )

@@ -153,3 +153,43 @@ async def test_an_answer_nested_thousands_deep_is_not_json_to_the_ceremonies_not
 def test_a_jsonrpc_body_nested_thousands_deep_is_no_message_not_a_server_error() -> None:
     # /mcp reads the body for its cancellations before the SDK does: a token holder's deep array raised there
     assert jsonrpc(b"[" * 20_000 + b"]" * 20_000) is None
+
+
+async def test_an_answer_that_arrives_in_two_parts_is_read_whole() -> None:
+    # read_answer took one read of the stream, which gives what has arrived so far: a passkey's answer whose body
+    # came in two TCP segments was cut at the first and refused as "the answer is not JSON".
+    import json
+
+    from aiohttp import web
+
+    from kazma.bot.console.signin import read_answer
+
+    reading = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        reading.set()  # the headers and the first part are in: the second is sent only now
+        return web.json_response({"got": await read_answer(request)})
+
+    application = web.Application()
+    application.router.add_post("/answer", answer)
+    runner = web.AppRunner(application)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        body = json.dumps({"clientDataJSON": "x" * 3000}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = f"POST /answer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        writer.write(head.encode() + body[:1000])
+        await writer.drain()
+        await reading.wait()
+        writer.write(body[1000:])
+        await writer.drain()
+        response = await reader.read()
+        writer.close()
+    finally:
+        await runner.cleanup()
+    status, _, rest = response.partition(b"\r\n")
+    assert status == b"HTTP/1.1 200 OK", response[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2]) == {"got": json.loads(body)}

@@ -176,7 +176,7 @@ async def test_after_the_script_the_demo_operator_steers_the_scripted_swarm(tmp_
         await app.stop()
 
 
-def _demo_on_a_terminal(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _demo_on_a_terminal(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[bytes], int]:
     """`kazma demo` with a terminal for its standard input (so it serves the console and lingers), as typed."""
     import os
     import pty
@@ -184,7 +184,7 @@ def _demo_on_a_terminal(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     master, slave = pty.openpty()
     env = {"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     demo = subprocess.Popen(
-        [sys.executable, "-m", "kazma.bot.cli", "demo", "--no-browser", "--port", "0"],
+        [sys.executable, "-m", "kazma.bot.cli", "demo", "--no-browser", "--port", "0", *options],
         cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
     )  # fmt: skip
     os.close(slave)
@@ -272,3 +272,44 @@ def test_only_a_or_approve_at_the_terminal_approves(tmp_path: Path) -> None:
             demo.kill()
         os.close(master)
     assert b"it printed: hello, world" not in seen
+
+
+def test_the_end_of_input_at_the_terminal_only_prompt_denies_at_once(tmp_path: Path) -> None:
+    # Ctrl-D at `kazma demo --terminal`'s prompt pressed nothing and said nothing: with no console served there,
+    # the demo sat silent until the card's deadline (five minutes), with nothing left to type into.
+    import os
+
+    demo, master = _demo_on_a_terminal(tmp_path, "--terminal")
+    seen = bytearray()
+    try:
+        _read_until(master, b"[a/d]", seen)
+        os.write(master, b"\x04")
+        _read_until(master, b"Denied. Recorded as demo (cli:demo).", seen)
+        assert demo.wait(timeout=60) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        os.close(master)
+    assert b"(end of input: pressing deny, nothing else can here)" in seen
+    assert b"it printed: hello, world" not in seen
+
+
+@pytest.mark.parametrize("options", [(), ("--terminal",)])
+def test_kazma_demo_runs_with_standard_input_closed(tmp_path: Path, options: tuple[str, ...]) -> None:
+    # `kazma demo 0<&-` (no standard input at all: sys.stdin is None) ended in AttributeError: 'NoneType' object
+    # has no attribute 'isatty', before anything was played.
+    import os
+    import shlex
+
+    command = shlex.join([sys.executable, "-m", "kazma.bot.cli", "--log-level", "warning", "demo", *options])
+    result = subprocess.run(
+        ["/bin/sh", "-c", f"exec {command} 0<&-"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "it printed: hello, world" in result.stdout

@@ -224,3 +224,29 @@ def test_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
     bare = CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", "go", "->"])
     assert bare.exit_code == 2
     assert bare.stderr.startswith("a route needs <platform>:<chat> after '->'")
+
+
+def test_two_routes_are_refused_not_one_dropped(tmp_path: Path) -> None:
+    # `… --to discord:123 -> slack:C0123ABCD` became two --to and click kept the last unsaid; with the arrow after
+    # the --to's task words (`… -> slack:C0123ABCD --to discord:123`), the typed route became task text unsaid.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+    for words in [
+        "go --to discord:123 -> slack:C0123ABCD",
+        "go -> slack:C0123ABCD --to discord:123",
+        "go --to discord:123 --to slack:C0123ABCD",
+        "--to=discord:123 -- go -> slack:C0123ABCD",
+    ]:
+        argv = ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", *words.split()]
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 2, (words, result.output)
+        assert "more than one route" in result.stderr, (words, result.stderr)
+    # after "--" a --to is task words, and the arrow's route is the one route, as chat reads it
+    argv = ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", "--", "go", "--to", "x"]
+    result = CliRunner().invoke(main, [*argv, "->", "slack:C0123ABCD"])
+    assert result.exit_code == 0, result.output
+    assert '"prompt": "go --to x", "route": {"platform": "slack", "chat": "C0123ABCD"}' in result.stdout

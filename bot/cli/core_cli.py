@@ -250,6 +250,7 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
     opened when there is one) and the card can be pressed there or here; without
     one it plays in this terminal and presses the card itself.
     """
+    from kazma.adapters.terminal import stdin_is_terminal
     from kazma.bot.cli.demo import run_demo  # its scenario and terminal adapter: only this command needs them
 
     settings = log_settings(ctx)
@@ -257,7 +258,7 @@ def demo(ctx: click.Context, deny: bool, terminal_only: bool, port: int, no_brow
         settings.level = "warning"
         settings.apply()
     decision = Decision.DENY if deny else Decision.APPROVE
-    web = not terminal_only and sys.stdin.isatty()
+    web = not terminal_only and stdin_is_terminal()
     try:
         ok = asyncio.run(
             run_demo(

@@ -246,6 +246,8 @@ async def _play(
         out=out,
         interactive=interactive,
         auto=None if web else decision,
+        # at the end of input (Ctrl-D) at the prompt: the console decides with web, nothing else can without
+        end_of_input=None if web else Decision.DENY,
         # no console is served in terminal mode: the card says so instead of linking nowhere
         link_note=None if web else "not served by `kazma demo --terminal` (the whole call is shown above)",
     )

@@ -289,6 +289,14 @@ async def check_endpoint(model: ModelConfig, label: str, *, wait_seconds: float,
             Level.FAIL,
             f"{url}: the server rejected the API key (HTTP {response.status_code}): check {key}.api_key",
         )
+    if response.status_code >= 500:
+        # the server's own failure (a model still loading): its base_url was right to reach it
+        return Check(
+            label,
+            Level.FAIL,
+            f"{url}: HTTP {response.status_code}: the model server failed to answer: see its log, then run doctor "
+            "again",
+        )
     if response.status_code >= 400:
         return Check(
             label,
@@ -296,11 +304,20 @@ async def check_endpoint(model: ModelConfig, label: str, *, wait_seconds: float,
             f"{url}: HTTP {response.status_code}: is {key}.base_url the API's base (usually ending in /v1)?",
         )
     try:
-        names = {str(item.get("id")) for item in response.json().get("data", []) if isinstance(item, dict)}
+        answer = response.json()
     except ValueError:
         return Check(
             label, Level.FAIL, f"{url}: answered, but not with JSON: is {key}.base_url an OpenAI-compatible API?"
         )
+    listed_models = answer.get("data", []) if isinstance(answer, dict) else None
+    if not isinstance(listed_models, list):
+        # a JSON list, or a "data" that is null, ended doctor in AttributeError / TypeError, not this line
+        return Check(
+            label,
+            Level.FAIL,
+            f"{url}: answered, but not with a model list: is {key}.base_url an OpenAI-compatible API?",
+        )
+    names = {str(item.get("id")) for item in listed_models if isinstance(item, dict)}
     if names and model.name not in names:
         listed = ", ".join(sorted(names)[:5])
         return Check(

@@ -54,6 +54,10 @@ _ARROW_HELD = "\x00->"
 def _run(verb: str, *words: str, to: str | None = None, context: str = "", confirm: bool | None = None) -> None:
     text = " ".join([verb, *words]).replace(_ARROW_HELD, ARROW)
     if to is not None:
+        if _ends_in_route(text.split()):
+            # `… -> slack:C1 --to discord:2`: the --to would have made the typed route task text, unsaid
+            click.echo(f"more than one route (-> {text.split()[-1]} and --to {to}): give one", err=True)
+            sys.exit(EXIT_USAGE)
         text = f"{text} -> {to}"
     loaded = _context().load()
     try:
@@ -174,6 +178,11 @@ def _route_platform(value: str) -> str:
         return ""
 
 
+def _ends_in_route(words: list[str]) -> bool:
+    """Whether the words end in ``-> platform:chat``, which chat's grammar reads as the route."""
+    return len(words) >= 2 and words[-2] in (ARROW, _ARROW_HELD) and _route_platform(words[-1]) in ROUTE_PLATFORMS
+
+
 def _route_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     value = _word_callback(ctx, param, value)
     # Without this, a --to that is not a route would silently become task text.
@@ -205,7 +214,12 @@ class _SwarmGroup(click.Group):
         return sorted({*super().list_commands(ctx), *(p.verb for p in registered())})
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        final_route = len(args) >= 2 and args[-2] == ARROW and _route_platform(args[-1]) in ROUTE_PLATFORMS
+        final_route = _ends_in_route(args)
+        options = args[: args.index("--")] if "--" in args else args
+        given = sum(arg == "--to" or arg.startswith("--to=") for arg in options) + (final_route and "--" not in args)
+        if given > 1:
+            # click keeps the last --to of several: `… --to discord:2 -> slack:C1` dropped discord:2 unsaid
+            raise click.UsageError("more than one route (-> or --to): give one", ctx)
         if final_route and "--" not in args:
             # a final route is --to, which every subcommand takes (one without task words had no place for it);
             # after "--" it stays words, and the grammar reads it off the task as chat does

@@ -48,7 +48,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import structlog
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from kazma.bot.console.challenge_share import REFUSED
 from kazma.bot.console.forwarded import ClientAddresses
@@ -246,6 +246,16 @@ def client_bytes(text: str) -> bytes:
     UTF-8 (aiohttp keeps them as surrogates) and a JSON string's lone surrogates become bytes no token of ours
     holds: a refusal like any wrong token, not a 500 on every page for a cookie a sibling host planted."""
     return text.encode("utf-8", "surrogatepass")
+
+
+async def read_body(stream: StreamReader, limit: int) -> bytes | None:
+    """The whole of a request's body ``stream``, or None when it is longer than ``limit`` bytes. The stream's
+    ``read(n)`` gives what has arrived so far (up to n), not n bytes: a body that came in two TCP segments was
+    cut at the first, and a passkey's answer was refused as "not JSON"."""
+    body = bytearray()
+    while len(body) <= limit and (chunk := await stream.read(limit + 1 - len(body))):
+        body += chunk
+    return None if len(body) > limit else bytes(body)
 
 
 def token_digest(token: str) -> str:

@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 
 from kazma.adapters.web.render import e
-from kazma.bot.console.auth import Proof, WebAuth, client_bytes, html_response, same_token
+from kazma.bot.console.auth import Proof, WebAuth, client_bytes, html_response, read_body, same_token
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.pages import PEOPLE_SCRIPT, layout
 from kazma.config.address import Actor
@@ -135,7 +135,9 @@ class TelegramApp:
         if not self.token:
             raise self._off()
         self.auth.check_origin(request)
-        raw = await request.content.read(MAX_INIT_DATA * 2)
+        raw = await read_body(request.content, MAX_INIT_DATA * 2)
+        if raw is None:
+            raise _json_error(web.HTTPRequestEntityTooLarge, "the request is too large")
         try:
             body = json.loads(raw or b"{}")
         except (ValueError, RecursionError):  # nested thousands deep: the parser's stack, not a 500

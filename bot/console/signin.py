@@ -30,7 +30,7 @@ from kazma.bot.console.accounts import (
     TooManyChallenges,
     digest,
 )
-from kazma.bot.console.auth import Proof, WebAuth, html_response, safe_next, same_token
+from kazma.bot.console.auth import Proof, WebAuth, html_response, read_body, safe_next, same_token
 from kazma.bot.console.challenge_share import too_many_challenges
 from kazma.bot.console.login_throttle import LOGINS
 from kazma.bot.console.passkeys import (
@@ -69,8 +69,8 @@ def _json_error(status: type[web.HTTPException], message: str) -> web.HTTPExcept
 async def read_answer(request: web.Request) -> Any:
     """An authenticator's answer (enrolment, sign-in, step-up): JSON of at most :data:`MAX_ANSWER` bytes, or a
     4xx JSON error saying what is wrong with it."""
-    raw = await request.content.read(MAX_ANSWER + 1)
-    if len(raw) > MAX_ANSWER:
+    raw = await read_body(request.content, MAX_ANSWER)
+    if raw is None:
         raise _json_error(web.HTTPRequestEntityTooLarge, "the answer is too large")
     try:
         return json.loads(raw or b"{}")
