@@ -291,14 +291,15 @@ async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is
         assert "APPROVED" in fakes.card_text("discord")
 
 
-@pytest.mark.parametrize("history", ["readable", "refused"])
+@pytest.mark.parametrize("history", ["readable", "refused", "failing"])
 async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found_in_the_channel_and_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, history: str
 ) -> None:
     """As above, with the restart later than Discord keeps a nonce (minutes): posting again with the nonce made a
     second card, and the first, never recorded, kept live buttons. It is found among the channel's recent
     messages by the request id in its footer. A bot that may not read the history posts with the nonce, as
-    before: while Discord keeps it, that finds the card still."""
+    before: while Discord keeps it, that finds the card still. A read that fails for a while (Discord's 503s)
+    is tried again later: falling back to the nonce then made the second card all the same."""
     store = tmp_path / "k.db"
     async with three_fakes() as fakes:
         token = fakes.discord.token
@@ -314,10 +315,12 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
                                                platform="telegram")  # fmt: skip
             assert decided.won
         _heal(fakes, "discord", token)
-        if history == "readable":
-            monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
-        else:
+        if history == "refused":
             fakes.discord.history_readable = False
+        else:
+            monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
+        if history == "failing":  # more 503s than discord.py's own retries of one read
+            fakes.discord.inject_fault("GET", rf"/channels/{HOME_CHANNEL_ID}/messages", "503", times=6)
         async with kazma_on(fakes, store) as app:
 
             async def settled() -> bool:
@@ -328,8 +331,8 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
         assert len(_cards_on(fakes, "discord")) == 1  # the first message, found
         assert not fakes.has_buttons("discord")
         assert "APPROVED" in fakes.card_text("discord")
-        assert (fakes.discord.history_reads > 0) is (history == "readable")
-        assert fakes.discord.nonce_replays == (0 if history == "readable" else 1)
+        assert (fakes.discord.history_reads > 0) is (history != "refused")
+        assert fakes.discord.nonce_replays == (1 if history == "refused" else 0)
 
 
 async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed_one_with_its_number(
