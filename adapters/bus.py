@@ -1041,7 +1041,7 @@ class FanOutBus:
                 # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
                 # wait with this one, untried, so one post a backoff asks whether the token is good again. They
                 # wait here only: the rows stay due for a replica whose token works (see Outbox.refused).
-                held, worker.kept_upto = await self.outbox.refused(job, error)
+                held, worker.kept_upto = await self.outbox.refused(job, error, above=worker.kept_upto)
                 self._hold(worker, delay, error)
                 log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
                             error=error)  # fmt: skip

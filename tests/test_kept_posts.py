@@ -387,6 +387,37 @@ async def test_a_replica_with_a_refused_token_does_not_overwrite_a_newer_error_a
         assert said == [newer]
 
 
+async def test_a_replica_whose_telegram_token_is_refused_does_not_overwrite_a_newer_error_another_replica_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, for Telegram's 401 on a card post: this replica wrote its refusal over every other waiting post's
+    error at each refused try, so during a rolling token change ``kazma doctor`` showed the stale replica's 401 on
+    the posts the replica whose token works was failing for a real reason (here a 502), and hid that reason."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))  # its hold ends at once
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        _unpace_telegram(app, monkeypatch)
+        fakes.telegram.token = "revoked-at-botfather"
+        first, second = (await _four_opened(app))[:2]
+        for request in (first, second):
+            await _kept(app, request.id, "telegram")
+        outbox = _outbox(app)
+        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
+        row = await other.tables.one(
+            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (second.id, "telegram")
+        )
+        job = PostJob(int(row[0]), second.id, "telegram", int(row[1]))
+        newer = "telegram card_post: HTTP 502 (Bad Gateway)"
+        await other.retry_later(job, 1000.0, newer)  # the other replica's try, answered 502, due again much later
+        tried = len(fakes.telegram.calls_to("sendMessage"))
+
+        async def refused_again() -> bool:  # this replica's own tries of the posts still due here, each a 401
+            return len(fakes.telegram.calls_to("sendMessage")) >= tried + 3
+
+        await _until(refused_again)
+        said = [e for r, p, _, e in await outbox.pending() if r == second.id and p == "telegram"]
+        assert said == [newer]
+
+
 async def test_after_the_restart_the_kept_edits_of_decided_cards_go_before_the_kept_posts(tmp_path: Path) -> None:
     """Slack refused the token while a card on it was decided and more cards were opened: after the restart the
     kept posts went first, one a second in Slack's pacing, and the decided card kept its live-looking buttons
