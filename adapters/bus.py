@@ -1041,7 +1041,7 @@ class FanOutBus:
                 # (and a turn of the chat's pacing, a count, a warning) per waiting card at every backoff. They
                 # wait with this one, untried, so one post a backoff asks whether the token is good again. They
                 # wait here only: the rows stay due for a replica whose token works (see Outbox.refused).
-                held, worker.kept_upto = await self.outbox.refused(job, error)
+                held, worker.kept_upto = await self.outbox.refused(job, error, above=worker.kept_upto)
                 self._hold(worker, delay, error)
                 log.warning("bus.card_posts_held", platform=adapter.name, posts=held, retry_in=round(delay, 2),
                             error=error)  # fmt: skip
@@ -1133,7 +1133,20 @@ class FanOutBus:
                 chat = await self._chat_of(adapter, place)
                 if chat in recorded:
                     continue
-                earlier = await self._look_for_card(adapter, request, chat)
+                try:
+                    earlier = await self._look_for_card(adapter, request, chat)
+                except (PlatformError, TimeoutError) as exc:
+                    # A look that may work later (a 5xx, a 429 outlasting the call, a timeout): posting again now
+                    # made a second card once Discord forgot the nonce, and the first, never recorded, kept live
+                    # buttons. The post waits and looks again; a read landed nothing, so no attempt is counted.
+                    _count_once("card_find", adapter.name, exc)
+                    retry_after = exc.retry_after if isinstance(exc, PlatformError) else None
+                    error = str(exc) or type(exc).__name__
+                    await self.outbox.retry_later(
+                        job, RETRY.delay(job.attempts, retry_after=retry_after), error, attempted=False
+                    )
+                    log.warning("bus.card_look_deferred", platform=adapter.name, request_id=request.id, error=error)
+                    return
                 if earlier is not None:
                     ref = earlier
                 elif chat == adapter.home_chat:
@@ -1165,15 +1178,18 @@ class FanOutBus:
 
     async def _look_for_card(self, adapter: PlatformAdapter, request: ApprovalRequest, chat: str) -> CardRef | None:
         """The card an unrecorded attempt landed in ``chat``, found among its recent messages where the platform
-        can (see :class:`FindsCards`): its nonce may be forgotten by now. None: post again with the nonce (a failed
-        look too: the nonce finds it while the platform still keeps it)."""
+        can (see :class:`FindsCards`): its nonce may be forgotten by now. None: post again with the nonce, also when the
+        platform refuses the look for good (no Read Message History): the nonce finds it while the platform still
+        keeps it. Raises a failure that may pass (see :meth:`_find_by_nonce`)."""
         if not isinstance(adapter, FindsCards):
             return None
         try:
             return await within(
                 adapter.find_card(request.id, chat), self.platform_timeout, platform=adapter.name, site="card_find"
             )
-        except (PlatformError, TimeoutError) as exc:
+        except PlatformError as exc:
+            if exc.retryable:
+                raise
             log.warning("bus.card_look_failed", platform=adapter.name, request_id=request.id,
                         error=str(exc) or type(exc).__name__)  # fmt: skip
             return None

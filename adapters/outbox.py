@@ -219,7 +219,7 @@ class Outbox:
         writer = await self.tables.writer()
         return await writer.submit(op)
 
-    async def refused(self, job: PostJob, why: str) -> tuple[int, int | None]:
+    async def refused(self, job: PostJob, why: str, *, above: int | None = None) -> tuple[int, int | None]:
         """The platform refused the token ``job``'s claimed attempt carried (Telegram's 401): that attempt certainly
         landed nothing and is taken back from the count (see :meth:`retry_later`), and ``job`` is due again now,
         as is every other post waiting on its platform: they only say ``why`` they wait (``kazma doctor``).
@@ -228,8 +228,13 @@ class Outbox:
         replica's works, and a refusal that held the shared rows by a backoff held that replica's posts too, again
         at each refused try, so its cards never went out. The refusing process waits out its backoff in its own
         memory (the bus worker's hold) and tells the others to look now. How many posts say ``why``, and the highest
-        id of a waiting post (for :meth:`kept`'s ``above``, telling those queued later why they wait)."""
+        id of a waiting post (for :meth:`kept`'s ``above``, telling those queued later why they wait).
+
+        ``above``: as :meth:`kept`'s. An error another post says since this process said ``why`` of it is another
+        replica's try of it, newer and real: written over at each refused try, ``kazma doctor`` showed this token's
+        refusal instead, all through a rolling token change."""
         now = self.clock()
+        floor = -1 if above is None else above
 
         def op(tx: Tx) -> tuple[int, int | None]:
             tx.run(
@@ -239,12 +244,13 @@ class Outbox:
             )
             said = tx.run(
                 "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL"
-                " AND claimed_by IS NULL AND id != ?",
-                (why, job.platform, job.id),
+                " AND claimed_by IS NULL AND id != ? AND (last_error IS NULL OR (id > ? AND last_error != ?))",
+                (why, job.platform, job.id, floor, why),
             )
             tx.notify(CARDS_CHANNEL, job.platform)  # another replica's token may work: it looks at once
             row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (job.platform,))
-            return int(said) + 1, None if row is None or row[0] is None else int(row[0])
+            highest = None if row is None or row[0] is None else int(row[0])
+            return int(said) + 1, max(highest, floor) if highest is not None else above
 
         writer = await self.tables.writer()
         return await writer.submit(op)

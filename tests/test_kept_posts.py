@@ -291,14 +291,15 @@ async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is
         assert "APPROVED" in fakes.card_text("discord")
 
 
-@pytest.mark.parametrize("history", ["readable", "refused"])
+@pytest.mark.parametrize("history", ["readable", "refused", "failing"])
 async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found_in_the_channel_and_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, history: str
 ) -> None:
     """As above, with the restart later than Discord keeps a nonce (minutes): posting again with the nonce made a
     second card, and the first, never recorded, kept live buttons. It is found among the channel's recent
     messages by the request id in its footer. A bot that may not read the history posts with the nonce, as
-    before: while Discord keeps it, that finds the card still."""
+    before: while Discord keeps it, that finds the card still. A read that fails for a while (Discord's 503s)
+    is tried again later: falling back to the nonce then made the second card all the same."""
     store = tmp_path / "k.db"
     async with three_fakes() as fakes:
         token = fakes.discord.token
@@ -314,10 +315,12 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
                                                platform="telegram")  # fmt: skip
             assert decided.won
         _heal(fakes, "discord", token)
-        if history == "readable":
-            monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
-        else:
+        if history == "refused":
             fakes.discord.history_readable = False
+        else:
+            monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
+        if history == "failing":  # more 503s than discord.py's own retries of one read
+            fakes.discord.inject_fault("GET", rf"/channels/{HOME_CHANNEL_ID}/messages", "503", times=6)
         async with kazma_on(fakes, store) as app:
 
             async def settled() -> bool:
@@ -328,8 +331,8 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
         assert len(_cards_on(fakes, "discord")) == 1  # the first message, found
         assert not fakes.has_buttons("discord")
         assert "APPROVED" in fakes.card_text("discord")
-        assert (fakes.discord.history_reads > 0) is (history == "readable")
-        assert fakes.discord.nonce_replays == (0 if history == "readable" else 1)
+        assert (fakes.discord.history_reads > 0) is (history != "refused")
+        assert fakes.discord.nonce_replays == (1 if history == "refused" else 0)
 
 
 async def test_a_refused_card_post_try_is_logged_without_an_attempt_and_a_failed_one_with_its_number(
@@ -381,6 +384,37 @@ async def test_a_replica_with_a_refused_token_does_not_overwrite_a_newer_error_a
         await other.retry_later(job, 0.0, newer)  # the other replica's try, answered 503, due again at once
         await _worker_rounds(app, "slack", monkeypatch, 5)
         said = [e for r, p, _, e in await outbox.pending() if r == request.id and p == "slack"]
+        assert said == [newer]
+
+
+async def test_a_replica_whose_telegram_token_is_refused_does_not_overwrite_a_newer_error_another_replica_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, for Telegram's 401 on a card post: this replica wrote its refusal over every other waiting post's
+    error at each refused try, so during a rolling token change ``kazma doctor`` showed the stale replica's 401 on
+    the posts the replica whose token works was failing for a real reason (here a 502), and hid that reason."""
+    monkeypatch.setattr(bus, "RETRY", Backoff(base=0.01, cap=0.01, jitter=False))  # its hold ends at once
+    async with three_fakes() as fakes, kazma_on(fakes, tmp_path / "k.db") as app:
+        _unpace_telegram(app, monkeypatch)
+        fakes.telegram.token = "revoked-at-botfather"
+        first, second = (await _four_opened(app))[:2]
+        for request in (first, second):
+            await _kept(app, request.id, "telegram")
+        outbox = _outbox(app)
+        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
+        row = await other.tables.one(
+            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (second.id, "telegram")
+        )
+        job = PostJob(int(row[0]), second.id, "telegram", int(row[1]))
+        newer = "telegram card_post: HTTP 502 (Bad Gateway)"
+        await other.retry_later(job, 1000.0, newer)  # the other replica's try, answered 502, due again much later
+        tried = len(fakes.telegram.calls_to("sendMessage"))
+
+        async def refused_again() -> bool:  # this replica's own tries of the posts still due here, each a 401
+            return len(fakes.telegram.calls_to("sendMessage")) >= tried + 3
+
+        await _until(refused_again)
+        said = [e for r, p, _, e in await outbox.pending() if r == second.id and p == "telegram"]
         assert said == [newer]
 
 
