@@ -616,3 +616,24 @@ async def test_attack_a_client_that_stops_reading_stdout_is_gone_and_what_it_ask
                 await out.aclose()
             await lines.aclose()
             transport.close()
+
+
+async def test_attack_a_line_too_long_with_more_members_than_read_is_answered_even_with_method_first(
+    tmp_path: Path,
+) -> None:
+    """A line over the limit whose top level has more members than are read (64) is given up on, its id in
+    doubt: when its ``method`` came before the 64th member and its ``id`` after, it was taken for a notification
+    (a method and no id read) and never answered, the client's request waiting for ever. It is answered with id
+    null now, as a line given up on with its id first is."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    crowd = "".join(f'"a{n}":1,' for n in range(64))
+    pad = "b" * MAX_LINE_BYTES
+    line = '{"jsonrpc":"2.0","method":"tools/list",' + crowd + '"id":5,"params":{"_meta":{"pad":"' + pad + '"}}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        await anyio.to_thread.run_sync(client.send, line)  # from a thread: a pipe holds less than the line
+        client.send('{"jsonrpc":"2.0","id":3,"method":"tools/list"}')
+        answered = [await client.receive(), await client.receive()]
+        assert [found["id"] for found in answered] == [None, 3], answered
+        assert answered[0]["error"]["message"].startswith("the line is longer than the 256 KiB"), answered[0]

@@ -456,7 +456,12 @@ class _CheckedLines(anyio.AsyncFile[str]):
         """Answer a line longer than ``MAX_LINE_BYTES``, for the request it began (its id as far as it was read)."""
         log.warning("mcp.line_too_long", size=line.size, limit=MAX_LINE_BYTES)
         envelope = line.envelope
-        if (b"method" in envelope.kinds and not envelope.ids) or (b"method" not in envelope.kinds and envelope.kinds):
+        # Given up on (more members than are read), an "id" may follow what was read: the line may be a request,
+        # which left unanswered waits for ever, so it is answered (with id null) whatever was read before.
+        told = (b"method" in envelope.kinds and not envelope.ids) or (
+            b"method" not in envelope.kinds and envelope.kinds
+        )
+        if told and not envelope.gave_up:
             return  # a notification, or the client's answer to a request of ours: JSON-RPC answers neither
         problem = (
             f"the line is longer than the {MAX_LINE_BYTES // 1024} KiB a message may be ({line.size} bytes):"
