@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -565,3 +566,74 @@ async def test_attack_requests_sent_as_stdin_closes_are_each_answered_and_no_cal
             assert answered[ended]["error"]["code"] == -32000, answered[ended]
         opened = await door.app.service.store.requests(limit=5)
         assert [request.status.value for request in opened if request.status.value == "pending"] == [], opened
+
+
+async def test_attack_a_client_that_stops_reading_stdout_is_gone_and_what_it_asked_is_withdrawn(tmp_path: Path) -> None:
+    """A client that closed its end of the door's stdout but kept stdin open made the SDK's writer fail at the
+    next answer: the call it had open was cancelled (said on the card as "the asking call was cancelled", not as
+    the client gone), and the door stayed until stdin closed, then ended with a traceback (an exception group of
+    BrokenPipeError, exit 1). Such a client hung up: what it asked is withdrawn as disconnected, and the door ends
+    at once, with stdin still open, saying so (``True``) rather than raising."""
+    call = (
+        '{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"request_approval","arguments":'
+        '{"tool":"deploy","arguments":{"n":1},"deadline_seconds":60}}}'
+    )
+    async with kazma_door(tmp_path) as door:
+        lines_read, lines_written = os.pipe()
+        out_read, out_written = os.pipe()
+        ask = asker(
+            door.url, REQUESTER_TOKEN, wire=-1, answers_wire=out_written, interrupted=asyncio.Event(), asking=set()
+        )
+        lines = anyio.wrap_file(open(lines_read, "rb"))  # noqa: SIM115 - closed as the test ends
+        out = anyio.wrap_file(open(out_written, "w", encoding="utf-8"))  # noqa: SIM115
+        serving = asyncio.create_task(serve_checked(build_server(ask), lines, out))
+        from_door = asyncio.StreamReader()
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(from_door),
+            open(out_read, "rb"),  # noqa: SIM115
+        )
+        client = Client(open(lines_written, "w", encoding="utf-8"), from_door)  # noqa: SIM115
+        try:
+            await client.initialise()
+            client.send(call)
+            with anyio.fail_after(WITHIN):
+                while not await door.app.service.store.requests(pending_only=True):
+                    await anyio.sleep(0.02)
+            transport.close()  # the client stops reading; stdin stays open
+            client.send('{"jsonrpc":"2.0","id":3,"method":"ping"}')  # its answer finds stdout broken
+            # waited for, not cancelled at a deadline: cancelled, the door would wait for stdin to close
+            await asyncio.wait({serving}, timeout=WITHIN)
+            assert serving.done(), "the door stayed while stdin was open"
+            assert serving.result() is True
+            [request] = await door.app.service.store.requests()
+            assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the MCP client disconnected")
+        finally:
+            client.to_door.close()
+            if not serving.done():
+                serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            with contextlib.suppress(BrokenPipeError):  # the answer the client never read is still buffered
+                await out.aclose()
+            await lines.aclose()
+            transport.close()
+
+
+async def test_attack_a_line_too_long_with_more_members_than_read_is_answered_even_with_method_first(
+    tmp_path: Path,
+) -> None:
+    """A line over the limit whose top level has more members than are read (64) is given up on, its id in
+    doubt: when its ``method`` came before the 64th member and its ``id`` after, it was taken for a notification
+    (a method and no id read) and never answered, the client's request waiting for ever. It is answered with id
+    null now, as a line given up on with its id first is."""
+    from kazma.bot.cli.mcp_stdio import MAX_LINE_BYTES
+
+    crowd = "".join(f'"a{n}":1,' for n in range(64))
+    pad = "b" * MAX_LINE_BYTES
+    line = '{"jsonrpc":"2.0","method":"tools/list",' + crowd + '"id":5,"params":{"_meta":{"pad":"' + pad + '"}}}'
+    async with kazma_door(tmp_path) as door, stdio_door(door) as client:
+        await client.initialise()
+        await anyio.to_thread.run_sync(client.send, line)  # from a thread: a pipe holds less than the line
+        client.send('{"jsonrpc":"2.0","id":3,"method":"tools/list"}')
+        answered = [await client.receive(), await client.receive()]
+        assert [found["id"] for found in answered] == [None, 3], answered
+        assert answered[0]["error"]["message"].startswith("the line is longer than the 256 KiB"), answered[0]

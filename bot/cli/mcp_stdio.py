@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import fcntl
+import io
 import json
 import os
 import re
@@ -86,10 +87,15 @@ def serve_stdio(base_url: str, token: str) -> None:
         wire = os.dup(0)
     except OSError:
         wire = -1  # no stdin to watch: a cancelled call is reported as cancelled, never as a hang-up
-    asyncio.run(_serve_stdio(base_url, token, wire))
+    # and of stdout, which tells a client that stopped reading (closed its end) from one cancelling a call
+    try:
+        answers_wire = os.dup(1)
+    except OSError:
+        answers_wire = -1
+    asyncio.run(_serve_stdio(base_url, token, wire, answers_wire))
 
 
-async def _serve_stdio(base_url: str, token: str, wire: int) -> None:
+async def _serve_stdio(base_url: str, token: str, wire: int, answers_wire: int = -1) -> None:
     """Serve until the client hangs up, or until this process is interrupted (SIGINT, SIGTERM)."""
     interrupted = asyncio.Event()
     asking: set[asyncio.Task[Any]] = set()
@@ -97,14 +103,18 @@ async def _serve_stdio(base_url: str, token: str, wire: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, interrupted.set)
 
-    ask = asker(base_url, token, wire=wire, interrupted=interrupted, asking=asking)
+    ask = asker(base_url, token, wire=wire, answers_wire=answers_wire, interrupted=interrupted, asking=asking)
     serving = asyncio.create_task(serve_checked(build_server(ask), _client_lines()))
     stop = asyncio.create_task(interrupted.wait())
     await asyncio.wait((serving, stop), return_when=asyncio.FIRST_COMPLETED)
     if serving.done():  # the client hung up: every open call was cancelled and withdrew its request
         stop.cancel()
-        serving.result()
-        return
+        if not serving.result():
+            return
+        # It stopped reading with stdin still open: the read of stdin, let go, still blocks a worker thread, which
+        # the interpreter would wait for at exit (until the client closes stdin). Nothing is left to do: leave.
+        sys.stderr.flush()
+        os._exit(0)
     serving.cancel()
     if asking:
         await asyncio.wait(set(asking), timeout=WITHDRAW_TIMEOUT + 1)
@@ -115,10 +125,18 @@ async def _serve_stdio(base_url: str, token: str, wire: int) -> None:
     os._exit(0)
 
 
-def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, asking: set[asyncio.Task[Any]]) -> Ask:
+def asker(
+    base_url: str,
+    token: str,
+    *,
+    wire: int,
+    interrupted: asyncio.Event,
+    asking: set[asyncio.Task[Any]],
+    answers_wire: int = -1,
+) -> Ask:
     """How this door asks: each call is forwarded to Kazma's approvals API and polled until it is decided; a call
-    cancelled (``interrupted`` set, or the client gone: ``wire`` hung up) withdraws what it forwarded. Each call
-    in flight is in ``asking``."""
+    cancelled (``interrupted`` set, or the client gone: ``wire`` hung up, or ``answers_wire``, a copy of stdout,
+    no longer read) withdraws what it forwarded. Each call in flight is in ``asking``."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"}
@@ -146,7 +164,8 @@ def asker(base_url: str, token: str, *, wire: int, interrupted: asyncio.Event, a
                     if interrupted.is_set():
                         why = Gone.INTERRUPTED
                     else:
-                        why = Gone.DISCONNECTED if _hung_up(wire) else Gone.CANCELLED
+                        gone = _hung_up(wire) or _stopped_reading(answers_wire)
+                        why = Gone.DISCONNECTED if gone else Gone.CANCELLED
                     with anyio.move_on_after(WITHDRAW_TIMEOUT, shield=True):
                         await _withdraw_remote(client, found["id"], why)
                     raise
@@ -179,15 +198,31 @@ def _client_lines() -> anyio.AsyncFile[bytes]:
 
 async def serve_checked(
     server: MCPServer[Any], lines: anyio.AsyncFile[bytes], out: anyio.AsyncFile[str] | None = None
-) -> None:
+) -> bool:
     """Serve ``server`` over stdio, reading the client's ``lines`` (bytes, one message a line: only ``\\n`` ends
     one) and answering on ``out`` (by default stdout), refusing a message that names one member twice before the
     SDK parses it.
 
     The SDK's parser keeps the last of a name given twice, where the client's own may have acted on the first: the
     card would show another call than the one the client meant. The ``/mcp`` door refuses such a body; this door
-    refuses such a line, with a JSON-RPC error for its request, and passes every other line on as it came."""
+    refuses such a line, with a JSON-RPC error for its request, and passes every other line on as it came.
+
+    It ends when the client closes stdin (False), or stops reading stdout (True: an answer could not be written;
+    every call open was cancelled, so withdrawn, and the read of stdin still waiting is let go)."""
     checked = _CheckedLines(lines)
+    stopped_reading = False
+    try:
+        await _serve_lines(server, checked, out)
+    except* (BrokenPipeError, ConnectionResetError):
+        # The client closed its end of stdout and kept stdin open: the SDK's writer failed and ended the server
+        # (each open call cancelled, and so withdrawn), but the door stayed until stdin closed, then left with a
+        # traceback and exit 1. No answer can reach the client any more: it hung up.
+        log.warning("mcp.client_stopped_reading", open_requests=checked.open_requests)
+        stopped_reading = True
+    return stopped_reading
+
+
+async def _serve_lines(server: MCPServer[Any], checked: _CheckedLines, out: anyio.AsyncFile[str] | None) -> None:
     async with stdio_server(checked, out) as (read_stream, write_stream):
         # set before the SDK's reader task first runs (nothing awaited since it was started): no line is refused
         # before there is somewhere to answer it
@@ -315,6 +350,11 @@ class _CheckedLines(anyio.AsyncFile[str]):
         self._open: dict[tuple[bool, str | int], str] = {}
         self._answered = anyio.Event()  # set (and replaced) each time one of them is answered
 
+    @property
+    def open_requests(self) -> list[str | int]:
+        """The ids of the requests passed on and not yet answered."""
+        return [request_id for _, request_id in self._open]
+
     async def __aiter__(self) -> AsyncIterator[str]:
         async for line in self._checked():
             yield line
@@ -416,7 +456,12 @@ class _CheckedLines(anyio.AsyncFile[str]):
         """Answer a line longer than ``MAX_LINE_BYTES``, for the request it began (its id as far as it was read)."""
         log.warning("mcp.line_too_long", size=line.size, limit=MAX_LINE_BYTES)
         envelope = line.envelope
-        if (b"method" in envelope.kinds and not envelope.ids) or (b"method" not in envelope.kinds and envelope.kinds):
+        # Given up on (more members than are read), an "id" may follow what was read: the line may be a request,
+        # which left unanswered waits for ever, so it is answered (with id null) whatever was read before.
+        told = (b"method" in envelope.kinds and not envelope.ids) or (
+            b"method" not in envelope.kinds and envelope.kinds
+        )
+        if told and not envelope.gave_up:
             return  # a notification, or the client's answer to a request of ours: JSON-RPC answers neither
         problem = (
             f"the line is longer than the {MAX_LINE_BYTES // 1024} KiB a message may be ({line.size} bytes):"
@@ -511,7 +556,10 @@ async def _bounded_lines(source: anyio.AsyncFile[bytes]) -> AsyncIterator[bytes 
     # One byte more is held than a message may be: the CR of a CRLF is no part of the message, so a message of
     # exactly the limit ending in CRLF is served as the same one ending in LF is.
     held = MAX_LINE_BYTES + 1
-    while chunk := await source.read1(_READ_CHUNK):
+    # A read let go when the door ends without stdin having closed (the client stopped reading stdout): the read
+    # cannot be interrupted, and waited for, it held the door until the client closed stdin.
+    read1 = cast("io.BufferedIOBase", source.wrapped).read1
+    while chunk := await anyio.to_thread.run_sync(read1, _READ_CHUNK, abandon_on_cancel=True):
         start = 0
         while True:
             newline = chunk.find(b"\n", start)
@@ -640,6 +688,16 @@ async def _withdraw_remote(client: Any, request_id: str, why: Gone) -> None:
         await client.delete(f"/api/v1/approvals/{request_id}", params={"why": word}, timeout=WITHDRAW_TIMEOUT)
     except Exception as exc:
         log.warning("mcp.withdraw_failed", request_id=request_id, why=why.value, error=str(exc))
+
+
+def _stopped_reading(answers_wire: int) -> bool:
+    """Whether the MCP client closed its end of our stdout (``answers_wire``, a copy of it): no answer reaches it."""
+    try:
+        poller = select.poll()
+        poller.register(answers_wire, 0)  # no event asked: an error (the reader gone) is reported all the same
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def _hung_up(wire: int) -> bool:
