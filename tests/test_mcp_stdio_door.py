@@ -637,3 +637,57 @@ async def test_attack_a_line_too_long_with_more_members_than_read_is_answered_ev
         answered = [await client.receive(), await client.receive()]
         assert [found["id"] for found in answered] == [None, 3], answered
         assert answered[0]["error"]["message"].startswith("the line is longer than the 256 KiB"), answered[0]
+
+
+@asynccontextmanager
+async def answers_held(upstream: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """A proxy before ``upstream`` (http://host:port) that passes requests on at once and holds every answer back
+    until its event is set: a request Kazma has acted on whose answer has not come back yet."""
+    release = asyncio.Event()
+    host, _, port = upstream.removeprefix("http://").rpartition(":")
+    pipes: set[asyncio.Task[None]] = set()
+
+    async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await source.read(65536):
+                if held:
+                    await release.wait()
+                sink.write(chunk)
+                await sink.drain()
+        sink.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        for task in (pipe(reader, up_writer, False), pipe(up_reader, writer, True)):
+            pipes.add(asyncio.create_task(task))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", release
+    finally:
+        server.close()
+        for task in pipes:
+            task.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
+
+
+async def test_attack_a_call_cancelled_while_its_open_is_on_the_way_is_withdrawn_once_the_open_answers(
+    tmp_path: Path,
+) -> None:
+    """A call cancelled (stdin closed, the client's cancel) after its POST reached Kazma and before the answer came
+    back: the id never reached the door, which withdrew nothing, and the request stayed pending with its cards out
+    (under load in CI: a request_approval sent as stdin closed). The open's answer is awaited, bounded, and what
+    it opened is withdrawn."""
+    async with kazma_door(tmp_path) as door, answers_held(door.url) as (url, release):
+        ask = asker(url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
+        call = asyncio.ensure_future(ask(Asked("deploy", {"env": "prod"}, "", 60, None)))
+        with anyio.fail_after(WITHIN):
+            while not await door.app.service.store.requests(pending_only=True):
+                await asyncio.sleep(0.02)  # polling the store for the open Kazma made, not standing in for it
+        call.cancel()
+        await asyncio.sleep(0)  # one turn: the call takes its cancellation before the held answer can come back
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        [request] = await door.app.service.store.requests()
+        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asking call was cancelled")

@@ -153,7 +153,21 @@ def asker(
                 raise ToolError(f"refused: {problem}; send it as JSON can carry it")
             async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=90, trust_env=False) as client:
                 # Kazma-Wait: this process waits and keeps asking; Kazma withdraws the request if it stops.
-                opened = await client.post("/api/v1/approvals", json=asked.body(), headers={"Kazma-Wait": "sync"})
+                opening = asyncio.ensure_future(
+                    client.post("/api/v1/approvals", json=asked.body(), headers={"Kazma-Wait": "sync"})
+                )
+                try:
+                    opened = await asyncio.shield(opening)
+                except asyncio.CancelledError:
+                    # Cancelled while the open was on its way (a call sent as stdin closed): Kazma may have opened
+                    # it, its cards out, and the id never came back to be withdrawn; the request stayed pending
+                    # until Kazma's own grace for an asker gone quiet. Its answer is awaited (bounded) to withdraw it.
+                    with anyio.move_on_after(WITHDRAW_TIMEOUT, shield=True):
+                        late = await opening
+                        if late.status_code < 400:
+                            await _withdraw_remote(client, late.json()["id"], _gone(interrupted, wire, answers_wire))
+                    opening.cancel()
+                    raise
                 if opened.status_code >= 400:
                     raise ToolError(f"Kazma refused the request (HTTP {opened.status_code}): {opened.text[:500]}")
                 found: dict[str, Any] = opened.json()
@@ -161,18 +175,21 @@ def asker(
                     return answer(await _poll(client, found))
                 except asyncio.CancelledError:
                     # The client cancelled the call or hung up, or this process was told to stop.
-                    if interrupted.is_set():
-                        why = Gone.INTERRUPTED
-                    else:
-                        gone = _hung_up(wire) or _stopped_reading(answers_wire)
-                        why = Gone.DISCONNECTED if gone else Gone.CANCELLED
                     with anyio.move_on_after(WITHDRAW_TIMEOUT, shield=True):
-                        await _withdraw_remote(client, found["id"], why)
+                        await _withdraw_remote(client, found["id"], _gone(interrupted, wire, answers_wire))
                     raise
         finally:
             asking.discard(current)
 
     return ask
+
+
+def _gone(interrupted: asyncio.Event, wire: int, answers_wire: int) -> Gone:
+    """Why a call was cancelled: this process was told to stop, the client hung up (stdin closed, or stdout no
+    longer read), or the client cancelled that call."""
+    if interrupted.is_set():
+        return Gone.INTERRUPTED
+    return Gone.DISCONNECTED if _hung_up(wire) or _stopped_reading(answers_wire) else Gone.CANCELLED
 
 
 def _client_lines() -> anyio.AsyncFile[bytes]:
