@@ -688,3 +688,56 @@ async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
         assert lines[0].startswith("not deciding: the store refuses writes"), lines
         assert "store reachable, refusing writes (read-only)" in lines, lines
         await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
+
+
+async def test_a_writer_whose_own_session_refuses_writes_is_503_and_writes_again_once_the_database_takes_them(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decisions are written on the writer's own connection, and /healthz asked a read-pool connection whether the
+    store takes writes. With ``ALTER DATABASE ... SET default_transaction_read_only = on`` a session opened since
+    refuses writes, one opened before takes them: the writer, reconnected meanwhile, refused every press's write
+    while /healthz said 200 "ok ... store reachable". And once the database took writes again (RESET), the writer
+    kept its read-only session (a refused write leaves the connection open) and refused every write for good,
+    /healthz still "ok", until a restart."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+        served(a, tmp_path / "a") as url,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
+    ):
+        store = a.stores.pg
+        assert isinstance(store, PgStore)
+        tables = tables_of(store)
+        database = psycopg.sql.Identifier(admin.info.dbname)
+
+        async def write() -> str:
+            try:
+                await tables.run("DELETE FROM leader_inbound WHERE replica = 'nobody'")
+            except psycopg.errors.ReadOnlySqlTransaction:
+                return "refused"
+            except psycopg.OperationalError:  # the writer's session was ended: the next write opens another
+                return "lost"
+            return "taken"
+
+        await admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+        )
+        try:
+            # Only the writer's session ends (a network blip, a pooler): the read pool's keep taking writes.
+            await admin.execute("SELECT pg_terminate_backend(%s)", (store.writer_pid,))
+
+            async def refused() -> bool:
+                return await write() == "refused"
+
+            await until(refused, timeout=15.0)
+            status, lines = await healthz(url)
+            assert (status, lines[0].startswith("not deciding: the store refuses writes")) == (503, True), lines
+            assert "store reachable, refusing writes (read-only)" in lines, lines
+        finally:
+            await admin.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
+            )
+        assert await write() == "taken"  # the first write since, not one after a restart
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines

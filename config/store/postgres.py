@@ -90,6 +90,9 @@ _UNPREPARED = frozenset({"26000", "0A000", "42883"})
 # SQLSTATEs after which an operation is run again on its own: lock_not_available, deadlock_detected,
 # serialization_failure. None of them leaves anything of the transaction behind.
 _RUN_ALONE = frozenset({"55P03", "40P01", "40001"})
+# read_only_sql_transaction: the session refuses writes (a hot standby, default_transaction_read_only). A session
+# takes the database's and role's defaults when it opens, so what refused may take writes when opened again.
+READ_ONLY_SQL_TRANSACTION = "25006"
 # Once an attempt ran past a job's deadline, its statements are cancelled again this often until it ends: a cancel
 # that reaches the server between two statements is dropped there (PostgreSQL cancels a statement under way only),
 # and the next statement might wait for a lock as long as another session holds it.
@@ -534,6 +537,10 @@ class PgWriter(GroupQueue):
         # The server process of the writer's connection: a NOTIFY this process sent carries it, so the
         # replica's listener can tell its own notifications from the others'.
         self.backend_pid: int | None = None
+        # Why the writer's last operations were refused as writes on a read-only session, until one is taken again
+        # (None: none was). Written by the writer thread; /healthz reads it: the read pool's sessions, opened at
+        # other moments, may take writes while this one, the only one that writes, refuses them.
+        self.refusing_writes: str | None = None
 
     # -- the loop side ---------------------------------------------------------------------------
 
@@ -772,6 +779,7 @@ class PgWriter(GroupQueue):
                     return
 
     def _hand_back(self, jobs: Sequence[Job[Any]], error: BaseException | None, *, last: bool) -> bool:
+        self._note_refusal(jobs, error)
         for job in jobs:  # an operation's result given as a Later was filled before its commit
             if isinstance(job.result, Later):
                 job.result = job.result.value if job.result.done else None
@@ -925,6 +933,23 @@ class PgWriter(GroupQueue):
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for an answer
                 self._loop.call_soon_threadsafe(self._answer_given_up, late)
+
+    def _note_refusal(self, jobs: Sequence[Job[Any]], error: BaseException | None) -> None:
+        """Writes refused on a read-only session: the session goes, and the next group opens another. Kept, a session
+        opened while ``default_transaction_read_only`` was set on the database (or the role) refused every write
+        for good after the setting was reset, until a restart; only sessions opened since take the new default."""
+        failures = [error, *(job.error for job in jobs)]
+        refusal = next((f for f in failures if f is not None and _sqlstate(f) == READ_ONLY_SQL_TRANSACTION), None)
+        if refusal is not None:
+            if self.refusing_writes is None:
+                log.error("store.writes_refused", backend="postgresql", error=str(refusal).strip())
+            self.refusing_writes = str(refusal).strip() or type(refusal).__name__
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+        elif self.refusing_writes is not None and error is None and any(job.error is None for job in jobs):
+            self.refusing_writes = None
+            log.info("store.writes_taken", backend="postgresql")
 
     def _failed(self, exc: psycopg.Error, operations: int) -> psycopg.Error:
         """The connection or a COMMIT failed: nobody's write is known to be kept."""
@@ -1222,6 +1247,11 @@ class PgStore:
     def writer_pid(self) -> int | None:
         """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
         return self._writer.backend_pid
+
+    @property
+    def refusing_writes(self) -> str | None:
+        """Why the writer's last writes were refused by a read-only session, until one is taken again."""
+        return self._writer.refusing_writes
 
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         await self._writer.caught_up()
