@@ -82,18 +82,46 @@ class Head:
 
 
 @dataclass(frozen=True)
+class RecordedEnding:
+    """The ending event the log holds for a request (a decision, a timeout, a cancel), as it reads."""
+
+    seq: int
+    event: str
+    actor: str | None
+    detail: str | None
+
+    def said(self) -> str:
+        by = f" by {self.actor}" if self.actor else ""
+        detail = f" ({self.detail!r})" if self.detail else ""
+        return f"its {self.event} event at seq {self.seq}{detail}{by}"
+
+
+@dataclass(frozen=True)
 class UnrecordedRequest:
     """A request whose row the audit log does not record: the event written with the row's current state (its
-    ``opened`` while pending, its ending event once finished) is not in the log."""
+    ``opened`` while pending, its ending event once finished: ``decided`` by its decider with its outcome, or the
+    ``timeout`` or ``cancelled`` it is) is not in the log."""
 
     id: str
     status: str
     sealed: bool  # the row carries a decision seal
+    decided_by: str | None = None
+    # The ending event the log holds instead, when it holds one: then the row was changed, not the log cut.
+    recorded: RecordedEnding | None = None
 
     def event(self) -> str:
         if self.status == "pending":
             return "opened"
         return "decided" if self.status in ("approved", "denied") else self.status
+
+    def changed(self) -> str:
+        """What is wrong with a row the log records another ending for (``recorded`` is set)."""
+        by = f" by {self.decided_by}" if self.decided_by and self.status in ("approved", "denied") else ""
+        said = self.recorded.said() if self.recorded is not None else "its ending event"
+        return (
+            f"request {self.id}'s row says {self.status}{by}, but the audit log records {said}: the row was "
+            "changed around Kazma (`kazma doctor` checks its decision seal)"
+        )
 
     def detail(self, last: int) -> str:
         state = "pending" if self.status == "pending" else f"{self.status} ({'sealed' if self.sealed else 'no seal'})"
@@ -240,7 +268,10 @@ def verify(
 def _unrecorded(walk: _Walk, requests: Sequence[UnrecordedRequest], *, more: bool) -> None:
     last = walk.last.seq if walk.last is not None else 0
     for request in requests:
-        walk.problem(last + 1, TRUNCATED, request.detail(last))
+        if request.recorded is not None:
+            walk.problem(request.recorded.seq, CHANGED, request.changed())
+        else:
+            walk.problem(last + 1, TRUNCATED, request.detail(last))
     if more:
         walk.problem(last + 1, TRUNCATED, f"more requests like these: only the oldest {len(requests)} are named")
 

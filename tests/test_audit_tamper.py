@@ -505,3 +505,39 @@ def test_show_says_a_finished_requests_ending_event_is_missing_from_the_log(
     attacker.run(("DELETE FROM approval_events", ()), ("DELETE FROM audit_checkpoints", ()))
     [missing] = show(deploy)
     assert "the audit log is empty" in missing
+
+
+def test_a_request_row_changed_beside_its_ending_event_fails_at_that_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """A denial's row, and a timed-out request's, made approvals by someone else around Kazma, the log untouched:
+    any ending event stood for any outcome, so verify said "ok" beside a log recording a denial by another person
+    and a timeout. Each row is named at the event it contradicts, as changed, and so is doctor's."""
+    drop, late = log.requests["drop"], log.requests["late"]
+    attacker = Attacker(store_engine)
+    attacker.run(
+        ("UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999' WHERE id = ?", (drop,)),
+        ("UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999' WHERE id = ?", (late,)),
+    )
+    result = verify(tmp_path, store_engine)
+    denied, timed_out = log.seqs["decided:drop"], log.seqs["timeout:late"]
+    failed_at(result, denied, "changed")
+    assert (
+        f"request {drop}'s row says approved by telegram:999, but the audit log records its decided event at seq "
+        f"{denied} ('denied: no') by slack:U111: the row was changed around Kazma" in result.stdout
+    ), result.stdout
+    assert f"seq {timed_out}: changed: request {late}'s row says approved by telegram:999" in result.stdout
+    said = doctor(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"request {drop}'s row says approved by telegram:999" in said, said
+    # The decider alone changed on an approval: its decided event names another person.
+    deploy = log.requests["deploy"]
+    attacker.run(
+        ("UPDATE approval_requests SET status = 'denied', decided_by = 'slack:U111' WHERE id = ?", (drop,)),
+        ("UPDATE approval_requests SET status = 'timeout', decided_by = NULL WHERE id = ?", (late,)),
+        ("UPDATE approval_requests SET decided_by = 'telegram:999' WHERE id = ?", (deploy,)),
+    )
+    result = verify(tmp_path, store_engine)
+    failed_at(result, log.seqs["decided:deploy"], "changed")
+    assert f"request {deploy}'s row says approved by telegram:999" in result.stdout
+
