@@ -541,3 +541,21 @@ def test_a_request_row_changed_beside_its_ending_event_fails_at_that_event(
     failed_at(result, log.seqs["decided:deploy"], "changed")
     assert f"request {deploy}'s row says approved by telegram:999" in result.stdout
 
+
+def test_an_audit_key_that_cannot_be_used_is_said_with_why(store_engine: Engine, tmp_path: Path, log: Log) -> None:
+    """$KAZMA_AUDIT_KEY set but malformed read "no usable audit key at ... or in $KAZMA_AUDIT_KEY", as if never set:
+    what is wrong with it is said, and a key missing is told apart from one that cannot be used."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    for env, command, said in (
+        (
+            {**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:short"},
+            "verify",
+            "the audit key cannot be used: $KAZMA_AUDIT_KEY: key a1",
+        ),
+        ({**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:short"}, "public-key", "the audit key cannot be used: $KAZMA_AUDIT_KEY"),
+        ({**KEY_ENV, "KAZMA_AUDIT_KEY": None}, "verify", "no audit key at "),
+    ):
+        result = CliRunner().invoke(main, ["-c", str(config), "audit", command], env=env)
+        assert result.exit_code == 2, result.stderr
+        assert said in result.stderr, result.stderr
