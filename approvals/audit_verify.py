@@ -147,6 +147,7 @@ class Report:
     last_seq: int | None = None
     head: str | None = None
     heads_checked: int = 0
+    signatures_failed: int = 0  # checkpoints whose signature does not verify with the keys given
     pending: int = 0  # events after the last checkpoint that Kazma's commit seals vouch for: signed any moment
     history: Checkpoint | None = None  # the one-time chaining's checkpoint, if the log had events before the chain
     # Whether the events start where the chain starts (its first link, or the history's first event): what the
@@ -157,6 +158,12 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def no_signature_holds(self) -> bool:
+        """Not one checkpoint verifies with the keys given: every one forged, or (far likelier where nothing else
+        is wrong) the keys are not the ones the log was signed with."""
+        return self.checkpoints > 0 and self.signatures_failed == self.checkpoints
 
     @property
     def first(self) -> Problem | None:
@@ -409,6 +416,7 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
     where = f"checkpoint #{checkpoint.seq} ({checkpoint.kind})"
     problem = walk.keys.problem(checkpoint)
     if problem is not None:
+        walk.report.signatures_failed += 1
         walk.problem(checkpoint.first_seq, BAD_SIGNATURE, f"{where}: {problem}")
     last = walk.last
     if last is None or checkpoint.seq > last.seq:

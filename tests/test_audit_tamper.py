@@ -559,3 +559,24 @@ def test_an_audit_key_that_cannot_be_used_is_said_with_why(store_engine: Engine,
         result = CliRunner().invoke(main, ["-c", str(config), "audit", command], env=env)
         assert result.exit_code == 2, result.stderr
         assert said in result.stderr, result.stderr
+
+
+def test_a_verifier_holding_another_key_is_told_no_checkpoint_verifies_with_it(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """$KAZMA_AUDIT_KEY of another deployment under the same id: every checkpoint "bad signature", each line alone
+    reading as a forgery. The output says that none verifies, and that the keys are the first thing to check."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    other = {**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:Zm9yZ2VyLWtleS1vZi0zMi1ieXRlcy1vbmx5LWZha2U"}
+    result = CliRunner().invoke(main, ["-c", str(config), "audit", "verify"], env=other)
+    failed_at(result, 1, "bad signature")
+    assert "note: none of the 3 checkpoints verifies with the public keys given" in result.stdout, result.stdout
+    # One checkpoint forged among good ones is no key mix-up: no such note.
+    attacker = Attacker(store_engine)
+    last = attacker.checkpoints()[-1]
+    attacker.run(("UPDATE audit_checkpoints SET signature = ? WHERE seq = ?", (FORGER.sign(
+        last.kind, last.first_seq, last.seq, last.head, last.at).signature, last.seq)))  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    failed_at(result, last.first_seq, "bad signature")
+    assert "note: none of" not in result.stdout

@@ -124,6 +124,14 @@ def _print(report: Report) -> None:
             click.echo(f"  then {problem.line()}")
         if len(rest) > SHOWN:
             click.echo(f"  … and {len(rest) - SHOWN} more")
+    if report.no_signature_holds:
+        # Each line alone reads as a forgery; a key mix-up (a replica's $KAZMA_AUDIT_KEY, an old public-key file)
+        # fails every checkpoint the same way, and is the first thing to rule out.
+        click.echo(
+            f"note: none of the {report.checkpoints} checkpoints verifies with the public keys given: either these "
+            "are not the keys this log was signed with (check --public-key, $KAZMA_AUDIT_KEY or the key file against "
+            "`kazma audit public-key` where Kazma runs), or every checkpoint was forged"
+        )
 
 
 @audit.command("verify")
