@@ -133,6 +133,26 @@ class Export:
         return not self.events or min(self.events, key=lambda e: e.seq).prev_hash in (None, GENESIS)
 
 
+class _FieldTwice(Exception):
+    """A field given twice in one JSON object (caught in read_export, never raised past it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every field is given once. json keeps the last of two, other readers the first: a
+    record verified with one value of a field would be read elsewhere with the other (``"detail": "approved",
+    "detail": "denied: no"`` verified as the denial it is hashed with, and shown as an approval)."""
+    record: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in record:
+            raise _FieldTwice(name)
+        record[name] = value
+    return record
+
+
 def read_export(text: str | bytes, *, source: str) -> Export:
     """The records of an export (or a sink's file), checked field by field; ExportError names the bad line.
 
@@ -147,7 +167,9 @@ def read_export(text: str | bytes, *, source: str) -> Export:
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = json.loads(raw, object_pairs_hook=_once_each)
+        except _FieldTwice as exc:
+            raise ExportError(f"{where}: field {exc.name!r} given twice (no export writes one twice)") from None
         except json.JSONDecodeError as exc:
             raise ExportError(f"{where}: not JSON ({exc.msg})") from None
         except RecursionError:  # arrays or objects nested deeper than any record: crafted, never written

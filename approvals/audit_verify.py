@@ -82,18 +82,46 @@ class Head:
 
 
 @dataclass(frozen=True)
+class RecordedEnding:
+    """The ending event the log holds for a request (a decision, a timeout, a cancel), as it reads."""
+
+    seq: int
+    event: str
+    actor: str | None
+    detail: str | None
+
+    def said(self) -> str:
+        by = f" by {self.actor}" if self.actor else ""
+        detail = f" ({self.detail!r})" if self.detail else ""
+        return f"its {self.event} event at seq {self.seq}{detail}{by}"
+
+
+@dataclass(frozen=True)
 class UnrecordedRequest:
     """A request whose row the audit log does not record: the event written with the row's current state (its
-    ``opened`` while pending, its ending event once finished) is not in the log."""
+    ``opened`` while pending, its ending event once finished: ``decided`` by its decider with its outcome, or the
+    ``timeout`` or ``cancelled`` it is) is not in the log."""
 
     id: str
     status: str
     sealed: bool  # the row carries a decision seal
+    decided_by: str | None = None
+    # The ending event the log holds instead, when it holds one: then the row was changed, not the log cut.
+    recorded: RecordedEnding | None = None
 
     def event(self) -> str:
         if self.status == "pending":
             return "opened"
         return "decided" if self.status in ("approved", "denied") else self.status
+
+    def changed(self) -> str:
+        """What is wrong with a row the log records another ending for (``recorded`` is set)."""
+        by = f" by {self.decided_by}" if self.decided_by and self.status in ("approved", "denied") else ""
+        said = self.recorded.said() if self.recorded is not None else "its ending event"
+        return (
+            f"request {self.id}'s row says {self.status}{by}, but the audit log records {said}: the row was "
+            "changed around Kazma (`kazma doctor` checks its decision seal)"
+        )
 
     def detail(self, last: int) -> str:
         state = "pending" if self.status == "pending" else f"{self.status} ({'sealed' if self.sealed else 'no seal'})"
@@ -119,6 +147,7 @@ class Report:
     last_seq: int | None = None
     head: str | None = None
     heads_checked: int = 0
+    signatures_failed: int = 0  # checkpoints whose signature does not verify with the keys given
     pending: int = 0  # events after the last checkpoint that Kazma's commit seals vouch for: signed any moment
     history: Checkpoint | None = None  # the one-time chaining's checkpoint, if the log had events before the chain
     # Whether the events start where the chain starts (its first link, or the history's first event): what the
@@ -129,6 +158,12 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def no_signature_holds(self) -> bool:
+        """Not one checkpoint verifies with the keys given: every one forged, or (far likelier where nothing else
+        is wrong) the keys are not the ones the log was signed with."""
+        return self.checkpoints > 0 and self.signatures_failed == self.checkpoints
 
     @property
     def first(self) -> Problem | None:
@@ -240,7 +275,10 @@ def verify(
 def _unrecorded(walk: _Walk, requests: Sequence[UnrecordedRequest], *, more: bool) -> None:
     last = walk.last.seq if walk.last is not None else 0
     for request in requests:
-        walk.problem(last + 1, TRUNCATED, request.detail(last))
+        if request.recorded is not None:
+            walk.problem(request.recorded.seq, CHANGED, request.changed())
+        else:
+            walk.problem(last + 1, TRUNCATED, request.detail(last))
     if more:
         walk.problem(last + 1, TRUNCATED, f"more requests like these: only the oldest {len(requests)} are named")
 
@@ -378,6 +416,7 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
     where = f"checkpoint #{checkpoint.seq} ({checkpoint.kind})"
     problem = walk.keys.problem(checkpoint)
     if problem is not None:
+        walk.report.signatures_failed += 1
         walk.problem(checkpoint.first_seq, BAD_SIGNATURE, f"{where}: {problem}")
     last = walk.last
     if last is None or checkpoint.seq > last.seq:

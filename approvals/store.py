@@ -27,7 +27,7 @@ import aiosqlite
 import structlog
 
 from kazma.approvals import pg_press
-from kazma.approvals.audit_verify import UnrecordedRequest
+from kazma.approvals.audit_verify import RecordedEnding, UnrecordedRequest
 from kazma.approvals.chain import (
     CHECKPOINT_COLUMNS,
     DECISION_EVENTS,
@@ -113,10 +113,18 @@ _DECISION_SEQ = (
 # every path since the first release (a press, the CLI, the API, a timeout, a cancel, a start's orphans). A log cut
 # at a checkpoint, with the checkpoints after it removed, verifies in itself; the rows it recorded do not go with
 # it. One statement: its snapshot holds a row and its event both or neither, whatever Kazma commits meanwhile.
+#
+# A finished row's event must be the one its outcome is written with: ``decided`` by its decider for a person's
+# outcome (saying that outcome, when it says one: before ``decided_detail`` a decided event's detail was the reason
+# alone), else the event named as the status. Any decision event would do before, so a row rewritten around Kazma
+# (a denial or a timeout turned into an approval by someone else) verified "ok" beside a log saying otherwise.
 _UNRECORDED = (
-    "FROM approval_requests r WHERE NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"  # noqa: S608
+    "FROM approval_requests r WHERE NOT EXISTS (SELECT 1 FROM approval_events e WHERE e.request_id = r.id"
     " AND ((r.status = 'pending' AND e.event = 'opened')"
-    f" OR (r.status <> 'pending' AND e.event IN ({', '.join(repr(e) for e in DECISION_EVENTS)}))))"
+    " OR (r.status IN ('approved', 'denied') AND e.event = 'decided' AND e.actor = r.decided_by"
+    " AND (CASE WHEN e.detail = 'approved' OR e.detail LIKE 'approved:%' THEN 'approved'"
+    " WHEN e.detail = 'denied' OR e.detail LIKE 'denied:%' THEN 'denied' ELSE r.status END) = r.status)"
+    " OR (r.status IN ('timeout', 'cancelled') AND e.event = r.status)))"
     " ORDER BY r.created_at, r.id LIMIT ?"
 )
 # Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
@@ -1424,8 +1432,24 @@ class ApprovalStore:
         """Requests whose row the audit log does not record: a pending one without its ``opened`` event, a
         finished one without its ending event (``decided``, ``timeout``, ``cancelled``); the oldest ``limit``, and
         whether there are more. What a log cut at a checkpoint leaves behind (see :data:`_UNRECORDED`)."""
-        rows = await self.audit_rows("r.id, r.status, r.decision_mac", _UNRECORDED, (limit + 1,))
-        found = [UnrecordedRequest(str(r[0]), str(r[1]), r[2] is not None) for r in rows[:limit]]
+        rows = await self.audit_rows("r.id, r.decided_by, r.status, r.decision_mac", _UNRECORDED, (limit + 1,))
+        # A finished row whose log has another ending event than its own: the row is what changed, not the log.
+        finished = sorted({str(r[0]) for r in rows[:limit] if r[2] != Status.PENDING.value})
+        ending: dict[str, RecordedEnding] = {}
+        kinds = ", ".join("?" * len(DECISION_EVENTS))
+        for start in range(0, len(finished), IDS_PER_QUERY):
+            part = finished[start : start + IDS_PER_QUERY]
+            # Read as verify reads the events (audit_rows): a text not UTF-8 in one is shown, never a stop.
+            for seq, request_id, event, actor, detail in await self.audit_rows(
+                "seq, request_id, event, actor, detail",
+                f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({kinds})"
+                " ORDER BY seq",
+                (*part, *DECISION_EVENTS),
+            ):
+                ending.setdefault(str(request_id), RecordedEnding(int(seq), str(event), actor, detail))
+        found = [
+            UnrecordedRequest(str(r[0]), str(r[2]), r[3] is not None, r[1], ending.get(str(r[0]))) for r in rows[:limit]
+        ]
         return found, len(rows) > limit
 
     async def last_event_seq(self) -> int:

@@ -88,6 +88,20 @@ def read_audit_signer(config: KazmaConfig, environ: Mapping[str, str] | None = N
         return None
 
 
+def audit_key_problem(config: KazmaConfig, environ: Mapping[str, str] | None = None) -> str:
+    """Why :func:`read_audit_signer` found no usable key, as a person can act on it: none there, or the one there
+    (``$KAZMA_AUDIT_KEY`` or the file) and what is wrong with it. Said "no usable key" alone, a variable with a
+    typo in it read as one never set."""
+    where = f"{audit_key_file(config)} or in ${AUDIT_KEYS.env}"
+    try:
+        open_keyring(AUDIT_KEYS, decision_keys_folder(config), environ, create=False)
+    except KeyMissing:
+        return f"no audit key at {where}; kazma run makes one at its first start"
+    except KeyringError as exc:
+        return f"the audit key cannot be used: {exc}"
+    return f"no usable audit key at {where}"
+
+
 def _load(
     spec: KeySpec, config: KazmaConfig, environ: Mapping[str, str] | None, *, why: str, example: str, what: str
 ) -> Keyring:

@@ -210,3 +210,17 @@ def test_rows_holding_what_kazma_never_writes_are_exported_and_named_changed_els
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"first bad sequence seq {min(seq, later)}: changed" in done.stdout, done.stdout
     assert f"seq {max(seq, later)}: changed: it holds what Kazma never writes" in done.stdout, done.stdout
+
+
+def test_a_record_giving_a_field_twice_is_refused_not_read_as_its_last(exported: tuple[Path, Path, Log]) -> None:
+    """json keeps the last of two same-named fields, other readers the first: a denial with ``"detail":
+    "approved"`` written before its own detail verified "ok" (the hash covers the last) while a reader keeping the
+    first showed an approval. A record giving a field twice is no record an export writes: refused, named."""
+    export, _, log = exported
+    text = export.read_text()
+    denied = next(line for line in text.splitlines() if '"detail":"denied: no"' in line)
+    doubled = text.replace(denied, denied.replace('"detail":"denied: no"', '"detail":"approved","detail":"denied: no"'))
+    number = doubled.splitlines().index(denied.replace('"detail":', '"detail":"approved","detail":', 1)) + 1
+    with pytest.raises(ExportError, match=rf"export, line {number}: field 'detail' given twice"):
+        read_export(doubled, source="export")
+    assert log.seqs["decided:drop"] > 0

@@ -505,3 +505,78 @@ def test_show_says_a_finished_requests_ending_event_is_missing_from_the_log(
     attacker.run(("DELETE FROM approval_events", ()), ("DELETE FROM audit_checkpoints", ()))
     [missing] = show(deploy)
     assert "the audit log is empty" in missing
+
+
+def test_a_request_row_changed_beside_its_ending_event_fails_at_that_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """A denial's row, and a timed-out request's, made approvals by someone else around Kazma, the log untouched:
+    any ending event stood for any outcome, so verify said "ok" beside a log recording a denial by another person
+    and a timeout. Each row is named at the event it contradicts, as changed, and so is doctor's."""
+    drop, late = log.requests["drop"], log.requests["late"]
+    attacker = Attacker(store_engine)
+    attacker.run(
+        ("UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999' WHERE id = ?", (drop,)),
+        ("UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:999' WHERE id = ?", (late,)),
+    )
+    result = verify(tmp_path, store_engine)
+    denied, timed_out = log.seqs["decided:drop"], log.seqs["timeout:late"]
+    failed_at(result, denied, "changed")
+    assert (
+        f"request {drop}'s row says approved by telegram:999, but the audit log records its decided event at seq "
+        f"{denied} ('denied: no') by slack:U111: the row was changed around Kazma" in result.stdout
+    ), result.stdout
+    assert f"seq {timed_out}: changed: request {late}'s row says approved by telegram:999" in result.stdout
+    said = doctor(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"request {drop}'s row says approved by telegram:999" in said, said
+    # The decider alone changed on an approval: its decided event names another person.
+    deploy = log.requests["deploy"]
+    attacker.run(
+        ("UPDATE approval_requests SET status = 'denied', decided_by = 'slack:U111' WHERE id = ?", (drop,)),
+        ("UPDATE approval_requests SET status = 'timeout', decided_by = NULL WHERE id = ?", (late,)),
+        ("UPDATE approval_requests SET decided_by = 'telegram:999' WHERE id = ?", (deploy,)),
+    )
+    result = verify(tmp_path, store_engine)
+    failed_at(result, log.seqs["decided:deploy"], "changed")
+    assert f"request {deploy}'s row says approved by telegram:999" in result.stdout
+
+
+def test_an_audit_key_that_cannot_be_used_is_said_with_why(store_engine: Engine, tmp_path: Path, log: Log) -> None:
+    """$KAZMA_AUDIT_KEY set but malformed read "no usable audit key at ... or in $KAZMA_AUDIT_KEY", as if never set:
+    what is wrong with it is said, and a key missing is told apart from one that cannot be used."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    for env, command, said in (
+        (
+            {**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:short"},
+            "verify",
+            "the audit key cannot be used: $KAZMA_AUDIT_KEY: key a1",
+        ),
+        ({**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:short"}, "public-key", "the audit key cannot be used: $KAZMA_AUDIT_KEY"),
+        ({**KEY_ENV, "KAZMA_AUDIT_KEY": None}, "verify", "no audit key at "),
+    ):
+        result = CliRunner().invoke(main, ["-c", str(config), "audit", command], env=env)
+        assert result.exit_code == 2, result.stderr
+        assert said in result.stderr, result.stderr
+
+
+def test_a_verifier_holding_another_key_is_told_no_checkpoint_verifies_with_it(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """$KAZMA_AUDIT_KEY of another deployment under the same id: every checkpoint "bad signature", each line alone
+    reading as a forgery. The output says that none verifies, and that the keys are the first thing to check."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    other = {**KEY_ENV, "KAZMA_AUDIT_KEY": "a1:Zm9yZ2VyLWtleS1vZi0zMi1ieXRlcy1vbmx5LWZha2U"}
+    result = CliRunner().invoke(main, ["-c", str(config), "audit", "verify"], env=other)
+    failed_at(result, 1, "bad signature")
+    assert "note: none of the 3 checkpoints verifies with the public keys given" in result.stdout, result.stdout
+    # One checkpoint forged among good ones is no key mix-up: no such note.
+    attacker = Attacker(store_engine)
+    last = attacker.checkpoints()[-1]
+    attacker.run(("UPDATE audit_checkpoints SET signature = ? WHERE seq = ?", (FORGER.sign(
+        last.kind, last.first_seq, last.seq, last.head, last.at).signature, last.seq)))  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    failed_at(result, last.first_seq, "bad signature")
+    assert "note: none of" not in result.stdout

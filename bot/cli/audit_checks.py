@@ -101,12 +101,18 @@ async def check_audit_chain(loaded: LoadedConfig) -> Check:
 
 
 def _unrecorded_text(unrecorded: list[UnrecordedRequest], more: bool) -> str:
-    listed = ", ".join(f"{r.id} ({r.status}, no {r.event()} event)" for r in unrecorded)
+    cut = [r for r in unrecorded if r.recorded is None]
+    changed = [r for r in unrecorded if r.recorded is not None]
     tail = f" and more (the oldest {len(unrecorded)} named)" if more else ""
-    return (
-        f"requests whose events are not in the audit log (it was cut, with the checkpoints after the cut): "
-        f"{listed}{tail}"
-    )
+    said: list[str] = []
+    if cut:
+        listed = ", ".join(f"{r.id} ({r.status}, no {r.event()} event)" for r in cut)
+        said.append(
+            f"requests whose events are not in the audit log (it was cut, with the checkpoints after the cut): {listed}"
+        )
+    if changed:
+        said.append("; ".join(r.changed() for r in changed))
+    return "; ".join(said) + tail
 
 
 async def check_audit(loaded: LoadedConfig, *, store_ok: bool = True) -> list[Check]:

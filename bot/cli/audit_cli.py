@@ -37,7 +37,7 @@ from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
 from kazma.bot.cli.context import EXIT_CONFIG, Context
-from kazma.bot.keys import audit_key_file, read_audit_signer
+from kazma.bot.keys import audit_key_problem, read_audit_signer
 from kazma.bot.store import store_for_command
 from kazma.config.models import KazmaConfig
 
@@ -103,7 +103,7 @@ def _public_keys(path: Path | None, config: KazmaConfig | None) -> PublicKeys:
             _fail(str(exc))
     signer = None if config is None else read_audit_signer(config)
     if signer is None:
-        where = "" if config is None else f" (no usable audit key at {audit_key_file(config)} or in $KAZMA_AUDIT_KEY)"
+        where = "" if config is None else f" ({audit_key_problem(config)})"
         _fail(f"give the public keys to verify with: --public-key FILE (from `kazma audit public-key`){where}")
         raise AssertionError("unreachable")
     return signer.public_keys()
@@ -124,6 +124,14 @@ def _print(report: Report) -> None:
             click.echo(f"  then {problem.line()}")
         if len(rest) > SHOWN:
             click.echo(f"  … and {len(rest) - SHOWN} more")
+    if report.no_signature_holds:
+        # Each line alone reads as a forgery; a key mix-up (a replica's $KAZMA_AUDIT_KEY, an old public-key file)
+        # fails every checkpoint the same way, and is the first thing to rule out.
+        click.echo(
+            f"note: none of the {report.checkpoints} checkpoints verifies with the public keys given: either these "
+            "are not the keys this log was signed with (check --public-key, $KAZMA_AUDIT_KEY or the key file against "
+            "`kazma audit public-key` where Kazma runs), or every checkpoint was forged"
+        )
 
 
 @audit.command("verify")
@@ -298,7 +306,7 @@ def public_key_command(obj: Context, out: Path | None) -> None:
     config = obj.load().config
     signer = read_audit_signer(config)
     if signer is None:
-        _fail(f"no usable audit key at {audit_key_file(config)} or in $KAZMA_AUDIT_KEY (kazma run makes one)")
+        _fail(audit_key_problem(config))
         return
     text = signer.public_keys().text()
     if out is None:
