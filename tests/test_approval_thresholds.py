@@ -28,6 +28,7 @@ from kazma.approvals.rules import MIGRATIONS as RULES
 from kazma.approvals.rules import RuleStore
 from kazma.approvals.service import CardLocation
 from kazma.approvals.waiting import WaitingForYou
+from kazma.approvals.withdrawal import Gone
 from kazma.config import ConfigError, load_config_text
 from kazma.config.store.database import open_database
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher, approval_service
@@ -127,6 +128,13 @@ async def test_two_people_decide_and_the_same_person_on_two_platforms_counts_onc
         assert "review_repeated" in events
         assert "press_lost" in events
         await service.verify_execution(request.id, "shell", {"command": "rm -rf build"})  # two people: runs
+        # Every ending Kazma wrote reads as its own to the audit's row check (a decision by the review that crossed
+        # the threshold, a denial by one of two, a withdrawal): none is said to be a row changed around Kazma.
+        denied = await service.open("shell", {"command": "rm -rf /"}, "agent:builder", "telegram:-100")
+        assert (await service.decide(denied.id, Decision.DENY, actor="telegram:111", platform="telegram")).won
+        withdrawn = await service.open("shell", {"command": "true"}, "agent:builder", "telegram:-100")
+        assert (await service.withdraw(withdrawn.id, Gone.CANCELLED))[0]
+        assert await service.store.unrecorded_requests() == ([], False)
 
 
 # An identity that decided while nobody's (a raw approver), linked to alice afterwards: one more door of hers.
