@@ -582,19 +582,26 @@ class Conversations:
         assert self.executor is not None
         step = StepRef(action.plan.id, action.step.index, action.step.attempts)
         check = None if self.steps is None else self.steps.check
-        async with self._step_turn(step, self.lead, Address.parse(action.plan.conversation)) as stopped:
-            result = await self.runner.run(
-                self.lead,
-                action.plan.conversation,
-                action.text or action.step.spec.title,
-                requested_by="executor",
-                step=step,
-                started_by=action.plan.origin.started_by,
-                before_tool=None if check is None else functools.partial(check, step),
-                fence=self._fence(step),
-            )
-        if stopped:
-            return
+        try:
+            async with self._step_turn(step, self.lead, Address.parse(action.plan.conversation)) as stopped:
+                result = await self.runner.run(
+                    self.lead,
+                    action.plan.conversation,
+                    action.text or action.step.spec.title,
+                    requested_by="executor",
+                    step=step,
+                    started_by=action.plan.origin.started_by,
+                    before_tool=None if check is None else functools.partial(check, step),
+                    fence=self._fence(step),
+                )
+            if stopped:
+                return
+        except Exception as exc:
+            # As a sub-agent's step (see _run_step): the lead's own step ends failed, so the lead decides about it;
+            # escaping, it reached only the task's log, and the step stayed in progress until a restart.
+            count_failure("step_turn")
+            log.exception("plan.step_turn_failed", plan=action.plan.id, step=action.step.index, error=str(exc))
+            result = TurnResult(text="", error=turn_failed_text(exc))
         await self.executor.complete(
             action.plan.id,
             action.step.index,

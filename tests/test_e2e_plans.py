@@ -491,3 +491,35 @@ async def test_a_tool_called_after_ask_user_in_the_same_turn_asks_nobody_to_appr
         assert "waits for the answer" in told, told
         loaded = await last_plan(app)
         assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+
+
+async def test_a_lead_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_decides(tmp_path: Path) -> None:
+    # A step assigned to the lead itself runs its turn apart from a sub-agent's: something other than a model's or a
+    # tool's failure escaping it (the provider breaking: a bug, not a ModelError) went to the task's log only, the
+    # step stayed in progress until a restart, and the plan waited for it for good, nothing said in the chat.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "sum up", "assignee": "kazma", "input": "Sum it up."}],
+    }
+
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            broken,  # the lead's own step
+            call("abort_plan", {"reason": "the summary broke"}),  # asked about step 1
+            ModelReply(content="Stopped: the summary broke."),
+        ],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "Stopped: the summary broke.")
+        loaded = await last_plan(app)
+        assert loaded.steps[1].status is StepStatus.FAILED
+        assert loaded.status == "aborted"
+        assert "Kazma failed while working on this (an internal error, RuntimeError)" in (
+            loaded.steps[1].failure_reason or ""
+        )
