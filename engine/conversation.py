@@ -631,16 +631,24 @@ class Conversations:
         refuses and who may answer its questions), not "executor" and the executor's prompt."""
         where = Address.parse(conversation)
         async with self._announcing(self.lead, conversation):
-            async with self.working(where):
-                result = await self.runner.run(
-                    self.lead,
-                    conversation,
-                    prompt,
-                    requested_by="executor",
-                    started_by=None if origin is None else origin.started_by,
-                    request_text=None if origin is None else origin.text,
-                    files=() if origin is None else origin.files,
-                )
+            try:
+                async with self.working(where):
+                    result = await self.runner.run(
+                        self.lead,
+                        conversation,
+                        prompt,
+                        requested_by="executor",
+                        started_by=None if origin is None else origin.started_by,
+                        request_text=None if origin is None else origin.text,
+                        files=() if origin is None else origin.files,
+                    )
+            except Exception as exc:
+                # As a person's own turn (see _handle): nobody asked in chat, but the plan is theirs, and a turn
+                # deciding about a failed step that breaks gives the step up: they are told, never left to silence.
+                count_failure("lead_turn")
+                log.exception("plan.lead_turn_failed", conversation=conversation, error=str(exc))
+                await self._say(where, turn_failed_text(exc), agent=self.lead.name)
+                return
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:
                 await self._say(where, text, agent=self.lead.name)

@@ -523,3 +523,29 @@ async def test_a_lead_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lea
         assert "Kazma failed while working on this (an internal error, RuntimeError)" in (
             loaded.steps[1].failure_reason or ""
         )
+
+
+async def test_a_leads_turn_about_a_failed_step_that_fails_inside_kazma_tells_the_person(tmp_path: Path) -> None:
+    # The executor's own turns of the lead (asked about a failed step, reporting the end) broke with nothing said:
+    # the error reached the task's log only, the steps that needed the failed one were dropped and the plan ended
+    # while the person was never told that the lead could not decide.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Build it."}],
+    }
+
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    def refused(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("bad key", permanent=True)
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), broken, ModelReply(content="All ended.")],
+        "builder": [refused],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "All ended.")
+        await app.conversations.drain()
+        assert any("Kazma failed while working on this (an internal error, RuntimeError)" in t for t in texts(fake))
