@@ -499,6 +499,14 @@ class Conversations:
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         where = Address.parse(action.plan.conversation)
         platform, chat = where.platform, where.chat
+        known = self.agents.get(assignee)
+        if known is None or known.is_lead:
+            # A plan outlives its configuration (a restart without that worker, the lead renamed): a post nobody
+            # can take up ran the lead on it as if it had asked, and the step stayed in progress for good.
+            workers = ", ".join(sorted(name for name, agent in self.agents.items() if not agent.is_lead)) or "none"
+            raise DispatchFailed(
+                f"there is no agent named {assignee!r} in this configuration (workers: {workers})", transient=False
+            )
         text = f"@{assignee} {action.text}".rstrip()
         message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:

@@ -549,3 +549,41 @@ async def test_a_leads_turn_about_a_failed_step_that_fails_inside_kazma_tells_th
         await said(fake, "All ended.")
         await app.conversations.drain()
         assert any("Kazma failed while working on this (an internal error, RuntimeError)" in t for t in texts(fake))
+
+
+async def test_a_step_for_an_agent_the_configuration_no_longer_has_fails_and_the_lead_decides(tmp_path: Path) -> None:
+    # A plan outlives its configuration: restarted without the validator, its step was still posted as
+    # "@validator …", no agent took it, the lead ran a turn on the post as if the lead itself had asked something,
+    # and the step stayed in progress for good (the plan with it).
+    plan = {
+        "goal": "deploy",
+        "steps": [
+            {"index": 1, "title": "region", "assignee": "user", "input": "Which region?"},
+            {"index": 2, "title": "check", "assignee": "validator", "input": "Check it is up."},
+        ],
+    }
+    first: dict[str, list[ScriptStep]] = {"kazma": [call("write_plan", plan), ModelReply(content="Planned.")]}
+    async with kazma(tmp_path, first) as (_app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await said(fake, "Which region?")
+    without_validator = """
+agents:
+  workers:
+    builder: {system_prompt: "You build."}
+pipelines: {}
+"""
+    then: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("abort_plan", {"reason": "nobody checks any more"}),  # asked about step 2
+            ModelReply(content="Stopped: nobody checks any more."),
+        ],
+    }
+    async with kazma(tmp_path, then, extra=without_validator) as (app, fake):
+        await said(fake, "Which region?")  # shown again at start
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+        fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
+        await said(fake, "Stopped: nobody checks any more.")
+        loaded = await last_plan(app)
+        assert loaded.steps[2].status is StepStatus.FAILED
+        assert "no agent named 'validator'" in (loaded.steps[2].failure_reason or "")
+        assert not any(t.startswith("@validator") for t in texts(fake))  # nobody could take it up
