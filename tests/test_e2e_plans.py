@@ -587,3 +587,46 @@ pipelines: {}
         assert loaded.steps[2].status is StepStatus.FAILED
         assert "no agent named 'validator'" in (loaded.steps[2].failure_reason or "")
         assert not any(t.startswith("@validator") for t in texts(fake))  # nobody could take it up
+
+
+async def test_aborting_a_plan_stops_its_running_step_and_its_card_no_longer_runs_anything(tmp_path: Path) -> None:
+    # "Plan aborted" was said while the running step went on: its approval card stayed open, and approving it
+    # after the abort wrote the file, the step's turn finished and its result was recorded as done.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "write", "assignee": "builder", "input": "Write the notes."}],
+    }
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            call("abort_plan", {"reason": "alice changed her mind"}),  # alice: stop
+            ModelReply(content="Stopped."),
+        ],
+        "builder": [
+            call("write_file", {"path": "notes.txt", "content": "notes"}),
+            ModelReply(content="Written."),
+        ],
+    }
+    # a card nobody settles ends by its deadline: the test ends (failing) instead of waiting ten minutes for it
+    async with kazma(tmp_path, scripts, extra="approvals: {deadline_seconds: 15}") as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await fake.wait_until(lambda: any(m.buttons for m in fake.bot_messages(CHAT)), timeout=20)
+        card = next(m for m in fake.bot_messages(CHAT) if m.buttons)
+        approve = next(str(b["callback_data"]) for b in card.buttons if str(b["callback_data"]).endswith(":a"))
+        fake.push_message(CHAT, ALICE, "@kazma stop, I changed my mind", username="alice")
+        await said(fake, "Plan aborted: alice changed her mind")
+        await said(fake, "@builder stopped working on step 1 here (attempt 1): its plan was aborted")
+        await fake.wait_until(lambda: not card.buttons, timeout=20)  # the card is settled: nothing to press
+        await fake.wait_for_answer(fake.push_callback(CHAT, card.message_id, 111, approve), timeout=20)
+        await app.conversations.drain()
+        assert not any("Written." in t for t in texts(fake))
+        loaded = await last_plan(app)
+        assert loaded.status == "aborted"
+        assert loaded.steps[1].status is StepStatus.FAILED
+        reason = loaded.steps[1].failure_reason or ""
+        assert reason.startswith("plan aborted while this step ran")
+        assert "alice changed her mind" in reason
+        assert "tools: did not run" in reason
+        found = list(app.conversations.runner.workspace_root.rglob("notes.txt"))
+        assert not found
