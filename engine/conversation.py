@@ -499,6 +499,14 @@ class Conversations:
     async def _dispatch(self, action: Action, assignee: str, index: int, attempt: int) -> None:
         where = Address.parse(action.plan.conversation)
         platform, chat = where.platform, where.chat
+        known = self.agents.get(assignee)
+        if known is None or known.is_lead:
+            # A plan outlives its configuration (a restart without that worker, the lead renamed): a post nobody
+            # can take up ran the lead on it as if it had asked, and the step stayed in progress for good.
+            workers = ", ".join(sorted(name for name, agent in self.agents.items() if not agent.is_lead)) or "none"
+            raise DispatchFailed(
+                f"there is no agent named {assignee!r} in this configuration (workers: {workers})", transient=False
+            )
         text = f"@{assignee} {action.text}".rstrip()
         message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:
@@ -582,19 +590,26 @@ class Conversations:
         assert self.executor is not None
         step = StepRef(action.plan.id, action.step.index, action.step.attempts)
         check = None if self.steps is None else self.steps.check
-        async with self._step_turn(step, self.lead, Address.parse(action.plan.conversation)) as stopped:
-            result = await self.runner.run(
-                self.lead,
-                action.plan.conversation,
-                action.text or action.step.spec.title,
-                requested_by="executor",
-                step=step,
-                started_by=action.plan.origin.started_by,
-                before_tool=None if check is None else functools.partial(check, step),
-                fence=self._fence(step),
-            )
-        if stopped:
-            return
+        try:
+            async with self._step_turn(step, self.lead, Address.parse(action.plan.conversation)) as stopped:
+                result = await self.runner.run(
+                    self.lead,
+                    action.plan.conversation,
+                    action.text or action.step.spec.title,
+                    requested_by="executor",
+                    step=step,
+                    started_by=action.plan.origin.started_by,
+                    before_tool=None if check is None else functools.partial(check, step),
+                    fence=self._fence(step),
+                )
+            if stopped:
+                return
+        except Exception as exc:
+            # As a sub-agent's step (see _run_step): the lead's own step ends failed, so the lead decides about it;
+            # escaping, it reached only the task's log, and the step stayed in progress until a restart.
+            count_failure("step_turn")
+            log.exception("plan.step_turn_failed", plan=action.plan.id, step=action.step.index, error=str(exc))
+            result = TurnResult(text="", error=turn_failed_text(exc))
         await self.executor.complete(
             action.plan.id,
             action.step.index,
@@ -624,16 +639,24 @@ class Conversations:
         refuses and who may answer its questions), not "executor" and the executor's prompt."""
         where = Address.parse(conversation)
         async with self._announcing(self.lead, conversation):
-            async with self.working(where):
-                result = await self.runner.run(
-                    self.lead,
-                    conversation,
-                    prompt,
-                    requested_by="executor",
-                    started_by=None if origin is None else origin.started_by,
-                    request_text=None if origin is None else origin.text,
-                    files=() if origin is None else origin.files,
-                )
+            try:
+                async with self.working(where):
+                    result = await self.runner.run(
+                        self.lead,
+                        conversation,
+                        prompt,
+                        requested_by="executor",
+                        started_by=None if origin is None else origin.started_by,
+                        request_text=None if origin is None else origin.text,
+                        files=() if origin is None else origin.files,
+                    )
+            except Exception as exc:
+                # As a person's own turn (see _handle): nobody asked in chat, but the plan is theirs, and a turn
+                # deciding about a failed step that breaks gives the step up: they are told, never left to silence.
+                count_failure("lead_turn")
+                log.exception("plan.lead_turn_failed", conversation=conversation, error=str(exc))
+                await self._say(where, turn_failed_text(exc), agent=self.lead.name)
+                return
             text = result.text if result.ok else f"I could not finish: {result.error}"
             if text:
                 await self._say(where, text, agent=self.lead.name)

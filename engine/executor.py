@@ -49,13 +49,15 @@ from kazma.engine.plan import (
     dependencies,
     validate_plan,
 )
-from kazma.engine.plan_store import PlanStore, Question
+from kazma.engine.plan_store import LeftStep, PlanStore, Question
 from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary, step_scope
 from kazma.engine.types import ToolUse, Usage
 
 log = structlog.get_logger("kazma.executor")
 
 INTERRUPTED = "interrupted: the process stopped while this step ran; its outcome is unknown"
+# The failure reason of a step that was running when its plan was aborted (the step's watch stops its turn).
+ABORTED_WHILE_RUNNING = "plan aborted while this step ran"
 ANSWER_LIMIT = 4_000  # characters of a person's answer kept as a step's summary
 MAX_CHOICES = 8
 
@@ -777,7 +779,20 @@ class PlanExecutor:
 
     async def _abort(self, plan: Plan, reason: str) -> None:
         for step in plan.steps.values():
-            if step.status in (StepStatus.PENDING, StepStatus.BLOCKED, StepStatus.WAITING_FOR_USER):
+            if step.status is StepStatus.IN_PROGRESS:
+                # "Nothing more of the plan runs": its running step too. It is failed here, its tools read in the
+                # same transaction (one starting now either is read or never starts: its row is fenced on the
+                # step running); the step's watch stops the turn, withdrawing a card it waits on. It went on
+                # after "Plan aborted", and an approval pressed afterwards ran its tool.
+                left = LeftStep(plan.id, step.index, step.attempts, replica=None)
+                scope = step_scope(plan.id, step.index, step.attempts)
+                execution = await self.store.fail_interrupted(
+                    left, step.record, self._step_tools(scope),
+                    lambda summary: f"{ABORTED_WHILE_RUNNING} ({reason}) (tools: {summary.line()})",
+                )  # fmt: skip
+                if execution is not None:
+                    log.warning("plan.running_step_aborted", plan_id=plan.id, step=step.index, tools=execution.line())
+            elif step.status in (StepStatus.PENDING, StepStatus.BLOCKED, StepStatus.WAITING_FOR_USER):
                 await self.store.set_status(plan.id, step.index, step.status, StepStatus.SKIPPED, failure_reason=reason)
                 if step.status is StepStatus.WAITING_FOR_USER:
                     await self._cancel_questions(plan.id, step.index)

@@ -24,7 +24,7 @@ from kazma.config.metrics import count_failure
 from kazma.config.store.errors import store_errors
 from kazma.config.supervisor import Supervisor
 from kazma.engine.agent import StepRef
-from kazma.engine.executor import INTERRUPTED
+from kazma.engine.executor import ABORTED_WHILE_RUNNING, INTERRUPTED
 from kazma.engine.plan import StepStatus
 from kazma.engine.plan_store import PlanStore, StepRun
 
@@ -44,6 +44,8 @@ def taken_away(step: StepRef, run: StepRun | None) -> str | None:
         return f"the step runs again (attempt {run.attempts})"
     if run.status is StepStatus.FAILED and run.failure_reason.startswith(INTERRUPTED):
         return "it was failed as interrupted: this replica was judged gone"
+    if run.status is StepStatus.FAILED and run.failure_reason.startswith(ABORTED_WHILE_RUNNING):
+        return "its plan was aborted"
     if run.status is StepStatus.PENDING:  # failed elsewhere and retried, not dispatched yet
         return "the step was retried"
     return None

@@ -491,3 +491,142 @@ async def test_a_tool_called_after_ask_user_in_the_same_turn_asks_nobody_to_appr
         assert "waits for the answer" in told, told
         loaded = await last_plan(app)
         assert loaded.steps[1].status is StepStatus.WAITING_FOR_USER
+
+
+async def test_a_lead_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_decides(tmp_path: Path) -> None:
+    # A step assigned to the lead itself runs its turn apart from a sub-agent's: something other than a model's or a
+    # tool's failure escaping it (the provider breaking: a bug, not a ModelError) went to the task's log only, the
+    # step stayed in progress until a restart, and the plan waited for it for good, nothing said in the chat.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "sum up", "assignee": "kazma", "input": "Sum it up."}],
+    }
+
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            broken,  # the lead's own step
+            call("abort_plan", {"reason": "the summary broke"}),  # asked about step 1
+            ModelReply(content="Stopped: the summary broke."),
+        ],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "Stopped: the summary broke.")
+        loaded = await last_plan(app)
+        assert loaded.steps[1].status is StepStatus.FAILED
+        assert loaded.status == "aborted"
+        assert "Kazma failed while working on this (an internal error, RuntimeError)" in (
+            loaded.steps[1].failure_reason or ""
+        )
+
+
+async def test_a_leads_turn_about_a_failed_step_that_fails_inside_kazma_tells_the_person(tmp_path: Path) -> None:
+    # The executor's own turns of the lead (asked about a failed step, reporting the end) broke with nothing said:
+    # the error reached the task's log only, the steps that needed the failed one were dropped and the plan ended
+    # while the person was never told that the lead could not decide.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Build it."}],
+    }
+
+    def broken(messages: Sequence[Message]) -> ModelReply:
+        raise RuntimeError("the provider broke")
+
+    def refused(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("bad key", permanent=True)
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), broken, ModelReply(content="All ended.")],
+        "builder": [refused],
+    }
+    async with kazma(tmp_path, scripts) as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await said(fake, "All ended.")
+        await app.conversations.drain()
+        assert any("Kazma failed while working on this (an internal error, RuntimeError)" in t for t in texts(fake))
+
+
+async def test_a_step_for_an_agent_the_configuration_no_longer_has_fails_and_the_lead_decides(tmp_path: Path) -> None:
+    # A plan outlives its configuration: restarted without the validator, its step was still posted as
+    # "@validator …", no agent took it, the lead ran a turn on the post as if the lead itself had asked something,
+    # and the step stayed in progress for good (the plan with it).
+    plan = {
+        "goal": "deploy",
+        "steps": [
+            {"index": 1, "title": "region", "assignee": "user", "input": "Which region?"},
+            {"index": 2, "title": "check", "assignee": "validator", "input": "Check it is up."},
+        ],
+    }
+    first: dict[str, list[ScriptStep]] = {"kazma": [call("write_plan", plan), ModelReply(content="Planned.")]}
+    async with kazma(tmp_path, first) as (_app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
+        await said(fake, "Which region?")
+    without_validator = """
+agents:
+  workers:
+    builder: {system_prompt: "You build."}
+pipelines: {}
+"""
+    then: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("abort_plan", {"reason": "nobody checks any more"}),  # asked about step 2
+            ModelReply(content="Stopped: nobody checks any more."),
+        ],
+    }
+    async with kazma(tmp_path, then, extra=without_validator) as (app, fake):
+        await said(fake, "Which region?")  # shown again at start
+        question = next(m for m in fake.bot_messages(CHAT) if "Which region?" in m.text)
+        fake.push_message(CHAT, ALICE, "eu", reply_to=question.message_id)
+        await said(fake, "Stopped: nobody checks any more.")
+        loaded = await last_plan(app)
+        assert loaded.steps[2].status is StepStatus.FAILED
+        assert "no agent named 'validator'" in (loaded.steps[2].failure_reason or "")
+        assert not any(t.startswith("@validator") for t in texts(fake))  # nobody could take it up
+
+
+async def test_aborting_a_plan_stops_its_running_step_and_its_card_no_longer_runs_anything(tmp_path: Path) -> None:
+    # "Plan aborted" was said while the running step went on: its approval card stayed open, and approving it
+    # after the abort wrote the file, the step's turn finished and its result was recorded as done.
+    plan = {
+        "goal": "ship",
+        "steps": [{"index": 1, "title": "write", "assignee": "builder", "input": "Write the notes."}],
+    }
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            call("abort_plan", {"reason": "alice changed her mind"}),  # alice: stop
+            ModelReply(content="Stopped."),
+        ],
+        "builder": [
+            call("write_file", {"path": "notes.txt", "content": "notes"}),
+            ModelReply(content="Written."),
+        ],
+    }
+    # a card nobody settles ends by its deadline: the test ends (failing) instead of waiting ten minutes for it
+    async with kazma(tmp_path, scripts, extra="approvals: {deadline_seconds: 15}") as (app, fake):
+        fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
+        await fake.wait_until(lambda: any(m.buttons for m in fake.bot_messages(CHAT)), timeout=20)
+        card = next(m for m in fake.bot_messages(CHAT) if m.buttons)
+        approve = next(str(b["callback_data"]) for b in card.buttons if str(b["callback_data"]).endswith(":a"))
+        fake.push_message(CHAT, ALICE, "@kazma stop, I changed my mind", username="alice")
+        await said(fake, "Plan aborted: alice changed her mind")
+        await said(fake, "@builder stopped working on step 1 here (attempt 1): its plan was aborted")
+        await fake.wait_until(lambda: not card.buttons, timeout=20)  # the card is settled: nothing to press
+        await fake.wait_for_answer(fake.push_callback(CHAT, card.message_id, 111, approve), timeout=20)
+        await app.conversations.drain()
+        assert not any("Written." in t for t in texts(fake))
+        loaded = await last_plan(app)
+        assert loaded.status == "aborted"
+        assert loaded.steps[1].status is StepStatus.FAILED
+        reason = loaded.steps[1].failure_reason or ""
+        assert reason.startswith("plan aborted while this step ran")
+        assert "alice changed her mind" in reason
+        assert "tools: did not run" in reason
+        found = list(app.conversations.runner.workspace_root.rglob("notes.txt"))
+        assert not found
