@@ -6,6 +6,7 @@ read from /proc/self/status (its peak reset through /proc/self/clear_refs before
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
 from kazma.engine.tools.mcp_stdio import Envelope, LineCutter, Oversize
 from kazma.engine.tools.mcp_tools import MCPConnection
@@ -26,6 +28,7 @@ from tests.mcp_support import mcp_server_over_http
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 RAW_NUMBERS = Path(__file__).resolve().parent / "mcp_servers" / "raw_numbers.py"
+CROWDED = Path(__file__).resolve().parent / "mcp_servers" / "crowded.py"
 TEN_MB = 10_000_000
 MB = 1024 * 1024
 
@@ -47,8 +50,8 @@ def _reset_peak() -> int:
 
 
 @asynccontextmanager
-async def _running(config: MCPServerConfig) -> AsyncIterator[MCPConnection]:
-    connection = MCPConnection("spy", config)
+async def _running(config: MCPServerConfig, *, ping_interval: float = 5.0) -> AsyncIterator[MCPConnection]:
+    connection = MCPConnection("spy", config, ping_interval=ping_interval)
     connection.start()
     try:
         assert await connection.wait_ready(60), connection.problem
@@ -95,6 +98,34 @@ async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
         after = await connection.call("flood", {"size": 10})
         assert after.ok
         assert after.output == "x" * 10
+
+
+async def test_attack_an_answer_over_the_bound_whose_id_is_in_doubt_ends_every_call_in_flight_at_once() -> None:
+    """An answer over the bound whose id came after more top-level members than the envelope reads (64) was cut
+    off answering nothing: the call it answered waited for its timeout (the server restarted then), and so did
+    every other call to that server. Now every request in flight ends at once with an error naming the server
+    and the size, counted; the connection goes on."""
+    config = MCPServerConfig(
+        command=sys.executable, args=[str(CROWDED)], max_message_bytes=65536, call_timeout_seconds=20
+    )
+    before = failure_count("mcp_answer_in_doubt", "spy")
+    # no ping in flight meanwhile: it would be ended too, and its connection restarted
+    async with _running(config, ping_interval=3600) as connection:
+        held = asyncio.create_task(connection.call("hold", {}))
+        crowded = await connection.call("crowded", {})
+        other = await held
+        after = await connection.call("small", {})
+        starts = connection.starts
+    for result in (crowded, other):
+        assert not result.ok
+        assert result.outcome_unknown
+        assert "timed out" not in (result.error or ""), result.error
+        assert "MCP server 'spy' sent a message longer than 65536 bytes" in (result.error or ""), result.error
+        assert "ended every request in flight" in (result.error or "")
+    assert after.ok
+    assert after.output == "small"
+    assert starts == 1
+    assert failure_count("mcp_answer_in_doubt", "spy") == before + 1
 
 
 async def test_an_answer_under_the_bound_is_read_and_cut_to_max_output_chars() -> None:
@@ -206,6 +237,26 @@ def test_the_cutter_passes_lines_within_the_bound_and_answers_one_over_it_once()
     assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", True, False)]
     said = list(early.feed(head_first[2000:] + b"\n"))
     assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", False, True)]
+
+
+def test_the_cutter_says_when_the_id_of_a_line_over_the_bound_is_in_doubt() -> None:
+    """A line over the bound given up on (more top-level members than a JSON-RPC message has) is said to be in
+    doubt as soon as it is given up on, once; one naming ``id`` twice is said so at its end (the id answered first
+    may not be the one its sender meant)."""
+    crowded = b'{"jsonrpc":"2.0",' + b'"m":1,' * 70 + b'"result":"' + b"x" * 5000 + b'","id":3}\n'
+    cutter = LineCutter(limit=1000)
+    said = [e for at in range(0, len(crowded), 500) for e in cutter.feed(crowded[at : at + 500])]
+    assert [(e.answer, e.in_doubt, e.ended, e.reply_to) for e in said if isinstance(e, Oversize)] == [
+        (True, True, False, None),
+        (False, False, True, None),
+    ]
+    twice = b'{"jsonrpc":"2.0","id":3,"result":"' + b"x" * 5000 + b'","id":4}\n'
+    cutter = LineCutter(limit=1000)
+    said = [e for at in range(0, len(twice), 500) for e in cutter.feed(twice[at : at + 500])]
+    assert [(e.answer, e.in_doubt, e.ended, e.reply_to) for e in said if isinstance(e, Oversize)] == [
+        (True, False, False, 3),
+        (True, True, True, None),
+    ]
 
 
 def test_the_envelope_skips_what_is_nested_without_a_python_step_per_byte() -> None:

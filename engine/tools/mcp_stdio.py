@@ -10,7 +10,10 @@ request it answers. That request then ends at once with an error saying the
 answer was cut off unread (a JSON-RPC error only Kazma makes,
 :data:`CUT_CODE`), and the connection goes on with the next line. A cut line
 that is not an answer (the server's own request, a notification) is dropped
-and logged.
+and logged. A cut line whose id is in doubt (more top-level members than a
+JSON-RPC message has, or ``id`` named twice) may answer any request: every
+request in flight to that server ends at once with the same kind of error,
+rather than the one it answered waiting for its call's timeout.
 
 The server's stderr is kept only as a short tail, for saying why a server
 that died did so. The process gets exactly the environment and working
@@ -165,6 +168,12 @@ class Envelope:
         except ValueError:
             return None
         return value if isinstance(value, int | str) and not isinstance(value, bool) else None
+
+    @property
+    def in_doubt(self) -> bool:
+        """Whether which request this message answers (if any) cannot be told: it was given up on (more top-level
+        members or tokens than a JSON-RPC message has), or it names ``id`` more than once and is no request."""
+        return self.gave_up or (self.ids > 1 and b"method" not in self.kinds)
 
     @property
     def answers(self) -> RequestId | None:
@@ -342,12 +351,14 @@ def _key_name(raw: bytearray | None) -> bytes:
 
 @dataclass(frozen=True)
 class Oversize:
-    """A line longer than the bound: ``answer`` says to end the request ``reply_to`` now (once per line)."""
+    """A line longer than the bound: ``answer`` says to end the request ``reply_to`` now (once per line), or, when
+    ``in_doubt``, every request in flight (which one it answers cannot be told)."""
 
     size: int  # bytes of the line seen so far (all of it when ``ended``)
     ended: bool
     reply_to: RequestId | None
     answer: bool
+    in_doubt: bool = False
 
 
 class LineCutter:
@@ -384,17 +395,26 @@ class LineCutter:
             self._buffer = bytearray()  # the bytes kept so far are let go now, not at the newline
         self._over.feed(piece)
         self._over_size += len(piece)
+        if self._answered:
+            return
+        # Given up on, nothing more will be learned of it: said at once. Naming its id twice is known at its end.
+        if self._over.gave_up:
+            self._answered = True
+            yield Oversize(self._over_size, ended=False, reply_to=None, answer=True, in_doubt=True)
+            return
         reply_to = self._over.answers
-        if reply_to is not None and not self._answered:
+        if reply_to is not None:
             self._answered = True
             yield Oversize(self._over_size, ended=False, reply_to=reply_to, answer=True)
 
     def _end_line(self) -> Iterator[bytes | Oversize]:
         if self._over is not None:
-            reply_to = self._over.answers
-            answer = reply_to is not None and not self._answered
-            self._over = None
-            yield Oversize(self._over_size, ended=True, reply_to=reply_to, answer=answer)
+            over, self._over = self._over, None
+            reply_to = None if over.in_doubt else over.answers
+            # an id named twice: the one answered already may not be the one meant, so the rest in flight end too
+            in_doubt = over.in_doubt and (not self._answered or not over.gave_up)
+            answer = in_doubt or (reply_to is not None and not self._answered)
+            yield Oversize(self._over_size, ended=True, reply_to=reply_to, answer=answer, in_doubt=in_doubt)
             return
         line, self._buffer = bytes(self._buffer), bytearray()
         if line.strip():
@@ -447,19 +467,43 @@ async def bounded_stdio_client(
     read_writer, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, write_reader = anyio.create_memory_object_stream[SessionMessage](0)
     tail = stderr if stderr is not None else StderrTail()
+    # Kazma's requests the server has not answered yet, by the id the SDK matches answers with ("7" is 7): what a
+    # cut message whose id is in doubt may have answered.
+    in_flight: dict[RequestId, RequestId] = {}
 
-    def cut_answer(reply_to: RequestId) -> SessionMessage:
-        said = mcp_types.ErrorData(
-            code=CUT_CODE,
-            message=f"the server's answer was longer than {max_message_bytes} bytes "
-            f"(mcp_servers.{server}.max_message_bytes); Kazma cut it off unread",
-        )
+    def cut_answer(reply_to: RequestId, message: str) -> SessionMessage:
+        in_flight.pop(_matched_as(reply_to), None)
+        said = mcp_types.ErrorData(code=CUT_CODE, message=message)
         return SessionMessage(mcp_types.JSONRPCError(jsonrpc="2.0", id=reply_to, error=said))
+
+    async def end_in_flight(size: int) -> None:
+        """A message over the bound whose id cannot be read may answer any request in flight: left waiting, the
+        one it answered would wait for its call's timeout, so every one of them ends now, saying why."""
+        ended = list(in_flight.values())
+        count_failure("mcp_answer_in_doubt", server)
+        log.warning("mcp.answer_in_doubt", server=server, bytes=size, limit=max_message_bytes, ended=ended)
+        for request_id in ended:
+            await read_writer.send(
+                cut_answer(
+                    request_id,
+                    f"the MCP server {server!r} sent a message longer than {max_message_bytes} bytes "
+                    f"(mcp_servers.{server}.max_message_bytes; {size} bytes read) that names no one request "
+                    "Kazma can tell, so Kazma cut it off unread and ended every request in flight to that server",
+                )
+            )
 
     async def deliver(event: bytes | Oversize) -> None:
         if isinstance(event, Oversize):
-            if event.answer and event.reply_to is not None:
-                await read_writer.send(cut_answer(event.reply_to))
+            if event.answer and event.in_doubt:
+                await end_in_flight(event.size)
+            elif event.answer and event.reply_to is not None:
+                await read_writer.send(
+                    cut_answer(
+                        event.reply_to,
+                        f"the server's answer was longer than {max_message_bytes} bytes "
+                        f"(mcp_servers.{server}.max_message_bytes); Kazma cut it off unread",
+                    )
+                )
             if event.ended:
                 count_failure("mcp_message_cut", server)
                 log.warning(
@@ -477,6 +521,8 @@ async def bounded_stdio_client(
             log.warning("mcp.bad_message", server=server, bytes=len(event), error=str(exc)[:300])
             await read_writer.send(exc)
             return
+        if isinstance(message, mcp_types.JSONRPCResponse | mcp_types.JSONRPCError) and message.id is not None:
+            in_flight.pop(_matched_as(message.id), None)
         await read_writer.send(SessionMessage(message))
 
     async def read_stdout() -> None:
@@ -503,6 +549,14 @@ async def bounded_stdio_client(
         try:
             async with write_reader:
                 async for outgoing in write_reader:
+                    sent = outgoing.message
+                    if isinstance(sent, mcp_types.JSONRPCRequest):
+                        in_flight[_matched_as(sent.id)] = sent.id
+                    elif isinstance(sent, mcp_types.JSONRPCNotification) and sent.method == "notifications/cancelled":
+                        # a request given up on is answered by no one (so the protocol says): no longer in flight
+                        cancelled = (sent.params or {}).get("requestId")
+                        if isinstance(cancelled, int | str):
+                            in_flight.pop(_matched_as(cancelled), None)
                     text = outgoing.message.model_dump_json(by_alias=True, exclude_unset=True)
                     await process.stdin.send(text.encode("utf-8") + b"\n")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
@@ -521,6 +575,14 @@ async def bounded_stdio_client(
                 for stream in (read_stream, write_stream, read_writer, write_reader):
                     await stream.aclose()
             tasks.cancel_scope.cancel()
+
+
+def _matched_as(request_id: RequestId) -> RequestId:
+    """An id as the SDK matches answers to requests: a string of an integer is that integer."""
+    if isinstance(request_id, str):
+        with contextlib.suppress(ValueError):
+            return int(request_id)
+    return request_id
 
 
 async def _stop(process: Process) -> None:
