@@ -73,6 +73,8 @@ _STRING_BODY = re.compile(rb'(?:[^"\\]++|\\.)*+', re.DOTALL)
 _WINDOW = 64 * 1024
 # Every bracket as a base-4 digit (an opening one 1, a closing one 2, anything else 0), so that int() packs four
 # bytes into one (in C: base 4 is a power of two, free of the int-string limit) to be judged by the tables below.
+_AS_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKET = bytes(set(range(256)) - set(b"[]{}"))
 _AS_DIGITS = bytes(ord("1") if c in b"[{" else ord("2") if c in b"]}" else ord("0") for c in range(256))
 
 
@@ -205,7 +207,7 @@ class Envelope:
         outside = b"".join(pieces[0::2])
         closes = outside.count(b"]") + outside.count(b"}")
         change = outside.count(b"[") + outside.count(b"{") - closes
-        back = None if self._depth - closes >= 2 else _first_return(outside, self._depth)
+        back = None if not _may_come_back(outside, self._depth, closes) else _first_return(outside, self._depth)
         if back is not None:
             self._depth = 1
             return i + _place_in(pieces, back) + 1
@@ -300,6 +302,21 @@ class Envelope:
             self._literal = bytearray([byte])
         else:  # a bare word (a number, true) not kept: skipped whole, not a step per byte
             self._skipping = True
+
+
+def _may_come_back(outside: bytes, depth: int, closes: int) -> bool:
+    """Whether nesting at ``depth`` may come back to the top level within ``outside``, which closes ``closes``."""
+    if depth - closes >= 2:
+        return False
+    # A pair opened and closed at once never takes the depth lower than it was before it: dropped (a few passes,
+    # in C), what is left often cannot come back (``[][]…``, ``][][…`` one level down), and is not looked at further.
+    brackets = outside.translate(_AS_SQUARE, _NOT_BRACKET)
+    for _ in range(4):
+        fewer = brackets.replace(b"[]", b"")
+        if len(fewer) == len(brackets):
+            break
+        brackets = fewer
+    return depth - brackets.count(b"]") < 2
 
 
 def _first_return(outside: bytes, depth: int) -> int | None:
