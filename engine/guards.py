@@ -57,6 +57,7 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "tools/mcp_launch.py:_venv_home:OSError": "no readable pyvenv.cfg: not a virtualenv, nothing more to bind",
     "tools/mcp_stdio.py:Envelope.request_id:ValueError": _PARSE,
     "tools/mcp_stdio.py:_key_name:ValueError": _PARSE,
+    "tools/mcp_stdio.py:_matched_as:suppress(ValueError)": _PARSE,
     "tools/mcp_stdio.py:_stop:suppress(OSError, anyio.ClosedResourceError, anyio.BrokenResourceError)": "closing the "
     "stdin of a server that has already gone: stopping it goes on",
     "tools/mcp_stdio.py:_stop:suppress(ProcessLookupError, PermissionError)": "the server's process group is already "

@@ -6,6 +6,7 @@ read from /proc/self/status (its peak reset through /proc/self/clear_refs before
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kazma.config.metrics import failure_count
 from kazma.config.models import MCPServerConfig
 from kazma.engine.tools.mcp_stdio import Envelope, LineCutter, Oversize
 from kazma.engine.tools.mcp_tools import MCPConnection
@@ -26,6 +28,7 @@ from tests.mcp_support import mcp_server_over_http
 
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 RAW_NUMBERS = Path(__file__).resolve().parent / "mcp_servers" / "raw_numbers.py"
+CROWDED = Path(__file__).resolve().parent / "mcp_servers" / "crowded.py"
 TEN_MB = 10_000_000
 MB = 1024 * 1024
 
@@ -47,8 +50,8 @@ def _reset_peak() -> int:
 
 
 @asynccontextmanager
-async def _running(config: MCPServerConfig) -> AsyncIterator[MCPConnection]:
-    connection = MCPConnection("spy", config)
+async def _running(config: MCPServerConfig, *, ping_interval: float = 5.0) -> AsyncIterator[MCPConnection]:
+    connection = MCPConnection("spy", config, ping_interval=ping_interval)
     connection.start()
     try:
         assert await connection.wait_ready(60), connection.problem
@@ -95,6 +98,34 @@ async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
         after = await connection.call("flood", {"size": 10})
         assert after.ok
         assert after.output == "x" * 10
+
+
+async def test_attack_an_answer_over_the_bound_whose_id_is_in_doubt_ends_every_call_in_flight_at_once() -> None:
+    """An answer over the bound whose id came after more top-level members than the envelope reads (64) was cut
+    off answering nothing: the call it answered waited for its timeout (the server restarted then), and so did
+    every other call to that server. Now every request in flight ends at once with an error naming the server
+    and the size, counted; the connection goes on."""
+    config = MCPServerConfig(
+        command=sys.executable, args=[str(CROWDED)], max_message_bytes=65536, call_timeout_seconds=20
+    )
+    before = failure_count("mcp_answer_in_doubt", "spy")
+    # no ping in flight meanwhile: it would be ended too, and its connection restarted
+    async with _running(config, ping_interval=3600) as connection:
+        held = asyncio.create_task(connection.call("hold", {}))
+        crowded = await connection.call("crowded", {})
+        other = await held
+        after = await connection.call("small", {})
+        starts = connection.starts
+    for result in (crowded, other):
+        assert not result.ok
+        assert result.outcome_unknown
+        assert "timed out" not in (result.error or ""), result.error
+        assert "MCP server 'spy' sent a message longer than 65536 bytes" in (result.error or ""), result.error
+        assert "ended every request in flight" in (result.error or "")
+    assert after.ok
+    assert after.output == "small"
+    assert starts == 1
+    assert failure_count("mcp_answer_in_doubt", "spy") == before + 1
 
 
 async def test_an_answer_under_the_bound_is_read_and_cut_to_max_output_chars() -> None:
@@ -208,6 +239,26 @@ def test_the_cutter_passes_lines_within_the_bound_and_answers_one_over_it_once()
     assert [(e.reply_to, e.answer, e.ended) for e in said if isinstance(e, Oversize)] == [("a", False, True)]
 
 
+def test_the_cutter_says_when_the_id_of_a_line_over_the_bound_is_in_doubt() -> None:
+    """A line over the bound given up on (more top-level members than a JSON-RPC message has) is said to be in
+    doubt as soon as it is given up on, once; one naming ``id`` twice is said so at its end (the id answered first
+    may not be the one its sender meant)."""
+    crowded = b'{"jsonrpc":"2.0",' + b'"m":1,' * 70 + b'"result":"' + b"x" * 5000 + b'","id":3}\n'
+    cutter = LineCutter(limit=1000)
+    said = [e for at in range(0, len(crowded), 500) for e in cutter.feed(crowded[at : at + 500])]
+    assert [(e.answer, e.in_doubt, e.ended, e.reply_to) for e in said if isinstance(e, Oversize)] == [
+        (True, True, False, None),
+        (False, False, True, None),
+    ]
+    twice = b'{"jsonrpc":"2.0","id":3,"result":"' + b"x" * 5000 + b'","id":4}\n'
+    cutter = LineCutter(limit=1000)
+    said = [e for at in range(0, len(twice), 500) for e in cutter.feed(twice[at : at + 500])]
+    assert [(e.answer, e.in_doubt, e.ended, e.reply_to) for e in said if isinstance(e, Oversize)] == [
+        (True, False, False, 3),
+        (True, True, True, None),
+    ]
+
+
 def test_the_envelope_skips_what_is_nested_without_a_python_step_per_byte() -> None:
     """The envelope stepped through nested content in Python, one step per bracket and per string: 50 MiB of
     ``[`` (or of ``"",``, or a list of small records) held the event loop 15-30 s while a line over the limit was
@@ -238,3 +289,105 @@ def test_the_envelope_skips_what_is_nested_without_a_python_step_per_byte() -> N
     crowded = Envelope()  # more top-level members than any JSON-RPC message has: another "id" may follow unread
     crowded.feed(b'{"id":5,"method":"x"' + b',"a":1' * 64 + b"}")
     assert crowded.request_id is None
+
+
+_TEXT = '[]{}"\\/,: a\u00e9\u2028\n\t\U0001f600'
+
+
+def _random_value(rnd: random.Random, depth: int) -> Any:
+    pick = rnd.random()
+    if depth > 0 and pick < 0.3:
+        return [_random_value(rnd, depth - 1) for _ in range(rnd.randint(0, 8))]
+    if depth > 0 and pick < 0.55:
+        return {_random_text(rnd, 6): _random_value(rnd, depth - 1) for _ in range(rnd.randint(0, 6))}
+    if pick < 0.6:
+        return _random_text(rnd, 20_000)  # a long string now and then, across many reads
+    return rnd.choice(
+        [None, True, False, rnd.randint(-(10**20), 10**20), rnd.uniform(-1e9, 1e9), _random_text(rnd, 12)]
+    )
+
+
+def _random_text(rnd: random.Random, most: int) -> str:
+    size = rnd.randint(0, rnd.choice([most, 12]))
+    return ("".join(rnd.choices(_TEXT, k=min(size, 97))) * (size // 97 + 1))[:size]
+
+
+def test_the_envelope_reads_random_messages_cut_anywhere_as_json_loads_does() -> None:
+    """The envelope against json.loads: random JSON-RPC messages (nested brackets, strings full of brackets,
+    quotes and escapes, deep nesting written out, long enough to span many reads and the envelope's windows) fed
+    in pieces cut at random places. Its id, the kinds it names and how often it names ``id`` are what the parser
+    reads."""
+    rnd = random.Random(61)
+    for _ in range(100):
+        fields: dict[str, Any] = {"jsonrpc": "2.0"}
+        if rnd.random() < 0.85:
+            fields["id"] = rnd.choice([rnd.randint(-(2**53), 2**53), _random_text(rnd, 20)])
+        kind = rnd.choice(["result", "error", "method"])
+        if kind == "method":
+            fields["method"] = "tools/call"
+            fields["params"] = _random_value(rnd, 6)
+        elif kind == "error":
+            fields["error"] = {"code": -1, "message": "no", "data": _random_value(rnd, 6)}
+        else:
+            fields["result"] = _random_value(rnd, 6)
+        for extra in range(rnd.randint(0, 3)):
+            fields[f"x{extra}"] = _random_value(rnd, 3)
+        keys = list(fields)
+        rnd.shuffle(keys)
+        body = {key: fields[key] for key in keys}
+        text = json.dumps(body, ensure_ascii=rnd.random() < 0.5, separators=rnd.choice([(",", ":"), (", ", ": ")]))
+        nesting = rnd.choice([0, 0, 1, 300])  # a member nested deeper than json.dumps writes
+        text = text[:-1] + f', "deep": {"[" * nesting}1{"]" * nesting}}}' if nesting else text
+        data = text.encode("utf-8")
+        parsed = json.loads(data)
+        envelope = Envelope()
+        at = 0
+        while at < len(data):
+            step = rnd.choice([1, 7, 4096, 65536, 300_000])
+            envelope.feed(data[at : at + step])
+            at += step
+        expected_id = parsed.get("id")
+        assert envelope.request_id == expected_id, text[:300]
+        assert envelope.kinds == {key.encode() for key in parsed} & {b"result", b"error", b"method"}
+        assert envelope.ids == ("id" in parsed)
+        assert not envelope.gave_up
+
+
+def _python_calls(feeds: list[bytes]) -> tuple[Envelope, int]:
+    import cProfile
+    import pstats
+
+    envelope = Envelope()
+    profile = cProfile.Profile()
+    profile.enable()
+    for piece in feeds:
+        envelope.feed(piece)
+    profile.disable()
+    return envelope, pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
+
+
+def _calls_allowed(size: int) -> int:
+    """A few Python calls per 64 KiB looked at (the envelope's window, and the reads fed), never one per byte."""
+    return 20 * (size // 65536 + 1) + 5000  # and a few for each of the tokens read at the top level
+
+
+def test_attack_nesting_that_closes_within_one_read_is_skipped_without_a_python_step_per_bracket() -> None:
+    """Where nested content came back to the top level within one read, the envelope walked it in Python, a step
+    per bracket and per string: a 4 MiB ``[[…]]`` member read in one piece (the first feed of a line over the
+    bound) held Kazma's event loop 2 s, three of them 8 s, and bare words, colons or strings at the top level a step
+    per byte (4 MiB of digits: 5 s). The Python calls made now are a few per 64 KiB, not one per bracket."""
+    mib = 1024 * 1024
+    member = b"[" * (2 * mib) + b"]" * (2 * mib)
+    whole = [b'{"jsonrpc":"2.0","result":{"a":' + member + b',"b":' + member + b',"c":' + member + b'},"id":5}']
+    envelope, calls = _python_calls(whole)
+    assert calls < _calls_allowed(len(whole[0])), f"three 4 MiB members: {calls} Python calls"
+    assert (envelope.answers, envelope.gave_up) == (5, False)
+    for name, top in {"digits": b"1" * (4 * mib), "colons": b":" * (4 * mib), "strings": b'"" ' * mib}.items():
+        data = b'{"jsonrpc":"2.0","x":' + top + b',"id":5,"result":{}}'
+        envelope, calls = _python_calls([data[at : at + 65536] for at in range(0, len(data), 65536)])
+        assert calls < _calls_allowed(len(data)), f"{name} at the top level: {calls} Python calls"
+        # a bare word is skipped whole; more tokens at the top level than a JSON-RPC message has are given up on
+        assert (envelope.answers, envelope.gave_up) == ((5, False) if name == "digits" else (None, True)), name
+    quotes = b'{"jsonrpc":"2.0","result":[' + b'"' * (8 * mib) + b'"]}'
+    _, calls = _python_calls([quotes[at : at + 65536] for at in range(0, len(quotes), 65536)])
+    assert calls < _calls_allowed(len(quotes)), f"8 MiB of quotes: {calls} Python calls"
