@@ -1,0 +1,140 @@
+"""``kazma approvals request`` where it is hardest to keep its word: interrupted (Ctrl-C, SIGTERM) while the POST
+that opens the request is on its way; Kazma failing its withdrawal (500, 429); a second signal during the
+withdrawal. A real CLI process, a real Kazma web server, and proxies on 127.0.0.1 in between."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.api_support import first_answer_withheld, kazma_door
+
+WITHIN = 30.0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("wait", [("--wait",), ()], ids=["wait", "no-wait"])
+async def test_cli_interrupted_while_its_open_is_on_the_way_withdraws_what_kazma_opened(
+    tmp_path: Path, signum: signal.Signals, wait: tuple[str, ...]
+) -> None:
+    """Kazma opened the request (cards out) but its answer, with the id, had not come back when the CLI was
+    interrupted: it withdrew nothing and said Kazma would withdraw it once nobody asked, which holds only for
+    ``--wait`` and after 90 s (without ``--wait`` the request stayed approvable until its deadline; SIGTERM
+    without ``--wait`` killed the process outright). It asks again with its Idempotency-Key, which answers with
+    the request it opened (not a second one), and withdraws that."""
+    async with kazma_door(tmp_path) as door, first_answer_withheld(door.url) as proxy:
+        cli = await door.run_cli(
+            "approvals", "request", "--url", proxy.url, "--tool", "deploy", "--arg", "env=prod", *wait
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(WITHIN):
+                while not await door.app.service.store.requests(pending_only=True):
+                    await asyncio.sleep(0.02)  # polling the store for the open Kazma made, not standing in for it
+            cli.send_signal(signum)
+            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                cli.kill()
+        assert cli.returncode == 5, err.decode()
+        [request] = await door.app.service.store.requests()  # the second ask found the first's request
+        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
+        assert f"request {request.id} withdrawn" in err.decode()
+        assert proxy.connections == 2
+
+
+@contextlib.asynccontextmanager
+async def withdrawals_refused(
+    upstream: str, statuses: list[int], *, arrived: asyncio.Event | None = None, release: asyncio.Event | None = None
+) -> AsyncIterator[str]:
+    """A proxy before ``upstream`` that answers the first DELETEs with ``statuses`` (Kazma overloaded, failing
+    over) without passing them on, and passes every other request on; a DELETE passed on sets ``arrived`` and
+    waits for ``release`` first."""
+    refusals = list(statuses)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        if request.method == "DELETE" and refusals:
+            return web.json_response({"error": "try again"}, status=refusals.pop(0), headers={"Retry-After": "1"})
+        if request.method == "DELETE" and arrived is not None and release is not None:
+            arrived.set()
+            await release.wait()
+        async with session.request(
+            request.method, f"{upstream}{request.rel_url}", headers=request.headers, data=await request.read()
+        ) as answered:
+            return web.Response(status=answered.status, body=await answered.read(), headers=answered.headers)
+
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(application)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("statuses", [[500], [429, 503]])
+async def test_cli_interrupted_asks_again_when_kazma_cannot_take_the_withdrawal_at_once(
+    tmp_path: Path, statuses: list[int]
+) -> None:
+    """The withdrawal answered 500 (or 429): the CLI said Kazma could not be told and left the request pending,
+    approvable, for the 90 s of Kazma's grace. It asks again, within its bound, and the request is withdrawn."""
+    async with kazma_door(tmp_path) as door, withdrawals_refused(door.url, statuses) as url:
+        cli = await door.run_cli(
+            "approvals", "request", "--url", url, "--tool", "deploy", "--arg", "env=prod", "--wait"
+        )  # fmt: skip
+        try:
+            assert cli.stdout is not None
+            assert (await asyncio.wait_for(cli.stdout.readline(), WITHIN)).startswith(b"request ")  # it has the id
+            cli.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                cli.kill()
+        assert cli.returncode == 5, err.decode()
+        [request] = await door.app.service.store.requests()
+        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
+        assert f"request {request.id} withdrawn" in err.decode()
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+async def test_a_second_signal_during_the_withdrawal_does_not_cut_it_short(
+    tmp_path: Path, second: signal.Signals
+) -> None:
+    """Ctrl-C pressed again (or the runner's SIGTERM) while the withdrawal is on its way: it is let go, the
+    withdrawal is answered, and the CLI says so and exits 5 (not a traceback, not 130, not -15)."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+    async with (
+        kazma_door(tmp_path) as door,
+        withdrawals_refused(door.url, [], arrived=arrived, release=release) as url,
+    ):
+        cli = await door.run_cli(
+            "approvals", "request", "--url", url, "--tool", "deploy", "--arg", "env=prod", "--wait"
+        )  # fmt: skip
+        try:
+            assert cli.stdout is not None
+            assert (await asyncio.wait_for(cli.stdout.readline(), WITHIN)).startswith(b"request ")
+            cli.send_signal(signal.SIGINT)
+            await asyncio.wait_for(arrived.wait(), WITHIN)
+            cli.send_signal(second)
+            with pytest.raises(TimeoutError):  # still there: the second signal did not end it
+                await asyncio.wait_for(asyncio.shield(cli.wait()), 0.5)
+            release.set()
+            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+        finally:
+            release.set()
+            with contextlib.suppress(ProcessLookupError):
+                cli.kill()
+        assert cli.returncode == 5, err.decode()
+        [request] = await door.app.service.store.requests()
+        assert request.status.value == "cancelled"
+        assert f"request {request.id} withdrawn" in err.decode()
