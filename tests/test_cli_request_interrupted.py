@@ -1,6 +1,6 @@
 """``kazma approvals request`` where it is hardest to keep its word: interrupted (Ctrl-C, SIGTERM) while the POST
-that opens the request is on its way; Kazma failing its withdrawal (500, 429); a second signal during the
-withdrawal. A real CLI process, a real Kazma web server, and proxies on 127.0.0.1 in between."""
+that opens the request is on its way; Kazma failing its withdrawal (500, 429); Kazma opening the request and then
+failing its answer (503). A real CLI process, a real Kazma web server, and proxies on 127.0.0.1 in between."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kazma.config import failpoints
 from tests.api_support import first_answer_withheld, kazma_door
 
 WITHIN = 30.0
@@ -104,6 +105,31 @@ async def test_cli_interrupted_asks_again_when_kazma_cannot_take_the_withdrawal_
         [request] = await door.app.service.store.requests()
         assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
         assert f"request {request.id} withdrawn" in err.decode()
+
+
+async def test_cli_takes_the_request_kazma_opened_before_its_answer_failed(tmp_path: Path) -> None:
+    """Kazma opened the request (cards out), then its store failed before the answer: 503, naming the request and
+    saying to ask again with the same Idempotency-Key. The CLI exited 4, "could not be asked", and left the request
+    pending behind it (until its deadline without ``--wait``). It asks again with its key and waits for that
+    request."""
+    async with kazma_door(tmp_path) as door:
+        failpoints.arm_for_test("api.open=1*error")
+        try:
+            cli = await door.run_cli(
+                "approvals", "request", "--url", door.url, "--tool", "deploy", "--arg", "env=prod", "--wait"
+            )  # fmt: skip
+            try:
+                await door.press("a")
+                out, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    cli.kill()
+        finally:
+            failpoints.disarm()
+        assert cli.returncode == 0, err.decode()
+        [request] = await door.app.service.store.requests()
+        assert request.status.value == "approved"
+        assert f"request {request.id}" in out.decode()
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])

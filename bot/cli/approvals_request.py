@@ -273,12 +273,17 @@ def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
 
 
 def _post(client: Any, body: dict[str, Any], opening: _Opening) -> dict[str, Any]:
+    """Open the request; a dropped connection or a 502-504 is asked again with the same Idempotency-Key: a 503
+    can mean the request was opened (its cards up) and the store failed before the answer, and the key gets it."""
     for attempt in range(3):
         try:
             response = client.post("/api/v1/approvals", json=body, extensions={"trace": opening.trace})
         except Exception:
             if attempt == 2:
                 raise
+            time.sleep(1 + attempt)
+            continue
+        if response.status_code in (502, 503, 504) and attempt < 2:
             time.sleep(1 + attempt)
             continue
         if response.status_code >= 400:
