@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import signal
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -164,3 +167,42 @@ async def test_a_second_signal_during_the_withdrawal_does_not_cut_it_short(
         [request] = await door.app.service.store.requests()
         assert request.status.value == "cancelled"
         assert f"request {request.id} withdrawn" in err.decode()
+
+
+@pytest.mark.parametrize("answer", [b"<html>sign in</html>", b'{"error": "not here"}', b"[1, 2]"])
+def test_an_answer_that_is_no_request_is_said_so_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: bytes
+) -> None:
+    """``--url`` at another web server (a proxy's login page, an app answering 200 to anything): the JSON decoding
+    error or KeyError of its answer came out as a traceback. It says what it got, and exits 4."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli.approvals_request import request
+    from kazma.bot.cli.context import Context
+
+    class NotKazma(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotKazma)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        monkeypatch.setenv("KAZMA_API_TOKEN", "t" * 40)
+        config = tmp_path / "kazma.yaml"
+        config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = CliRunner().invoke(request, ["--tool", "deploy", "--url", url, "--wait"], obj=Context(config))
+    finally:
+        server.shutdown()
+        serving.join()
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert result.exit_code == 4
+    assert f"the answer at {url} is no approval request (HTTP 200): is it Kazma's address?" in result.stderr

@@ -209,8 +209,7 @@ def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
     answered = _again(client, lambda left: client.post("/api/v1/approvals", json=body, timeout=left), busy=(500,))
     if answered is None:
         return None
-    opened: dict[str, Any] = answered.json() if answered.status_code < 300 else {}
-    return opened
+    return (_request_of(answered) or None) if answered.status_code < 300 else {}
 
 
 def _withdrawn(client: Any, request_id: str) -> dict[str, Any] | None:
@@ -219,10 +218,7 @@ def _withdrawn(client: Any, request_id: str) -> dict[str, Any] | None:
     answered = _again(
         client, lambda left: client.delete(url, params={"why": "interrupted"}, timeout=left), busy=(429, 500)
     )
-    if answered is None or answered.status_code >= 400:
-        return None
-    after: dict[str, Any] = answered.json()
-    return after
+    return None if answered is None or answered.status_code >= 400 else _request_of(answered)
 
 
 def _again(client: Any, send: Any, *, busy: tuple[int, ...]) -> Any:
@@ -256,13 +252,15 @@ def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
         except httpx.TransportError as exc:
             problem = str(exc) or type(exc).__name__
         else:
-            if polled.status_code < 400:
-                found = polled.json()
+            read = _request_of(polled) if polled.status_code < 400 else None
+            if read is not None:
+                found = read
                 failing_since = None
                 continue
-            if polled.status_code not in (502, 503, 504):
+            if polled.status_code >= 400 and polled.status_code not in (502, 503, 504):
                 _unasked(polled)
-            problem = f"HTTP {polled.status_code}"
+            # A 200 that is no request (a proxy's page between here and Kazma) is a Kazma not answering yet
+            problem = f"HTTP {polled.status_code}" if polled.status_code >= 400 else _NOT_A_REQUEST
         now = time.monotonic()
         failing_since = now if failing_since is None else failing_since
         if now - failing_since > POLL_RETRY_SECONDS:
@@ -288,9 +286,30 @@ def _post(client: Any, body: dict[str, Any], opening: _Opening) -> dict[str, Any
             continue
         if response.status_code >= 400:
             _unasked(response)
-        found: dict[str, Any] = response.json()
+        found = _request_of(response, opened=True)
+        if found is None:
+            # Not Kazma's answer (another web server at --url, a login page of a proxy): a traceback before
+            said = f"the answer at {client.base_url} is {_NOT_A_REQUEST} (HTTP {response.status_code})"
+            click.echo(f"{said}: is it Kazma's address?", err=True)
+            sys.exit(EXIT_UNASKED)
         return found
     raise AssertionError("unreachable")
+
+
+_NOT_A_REQUEST = "no approval request"
+
+
+def _request_of(response: Any, *, opened: bool = False) -> dict[str, Any] | None:
+    """The approval request a JSON answer of Kazma's is; None for any other answer. ``opened``: it must carry
+    what is printed of a request just opened too (its link and hash)."""
+    try:
+        found = response.json()
+    except ValueError:
+        return None
+    needed = ("id", "status", "link", "hash") if opened else ("id", "status")
+    if not isinstance(found, dict) or not all(isinstance(found.get(name), str) for name in needed):
+        return None
+    return found
 
 
 def _unasked(response: Any) -> None:
