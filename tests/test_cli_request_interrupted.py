@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import os
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from kazma.config import failpoints
-from tests.api_support import first_answer_withheld, kazma_door
+from tests.api_support import REPO, first_answer_withheld, kazma_door
 
 WITHIN = 30.0
 
@@ -206,3 +208,34 @@ def test_an_answer_that_is_no_request_is_said_so_not_a_traceback(
     assert isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 4
     assert f"the answer at {url} is no approval request (HTTP 200): is it Kazma's address?" in result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_interrupted_while_reading_its_configuration_is_interrupted_not_denied(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Ctrl-C while Kazma's configuration was read (for ``web.public_url``, no ``--url``): click's "Aborted!" and
+    exit 1, which a script reads as "denied" (SIGTERM: -15). It is exit 5, and says nothing was opened. The
+    configuration is a FIFO: opening it for writing returns once the CLI has opened it to read, then it waits for
+    the text."""
+    config = tmp_path / "kazma.yaml"
+    os.mkfifo(config)
+    env = {**os.environ, "KAZMA_API_TOKEN": "t" * 40}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+    env.pop("KAZMA_URL", None)
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "approvals", "request", "--tool", "deploy", "--wait",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        writer = await asyncio.wait_for(asyncio.to_thread(os.open, config, os.O_WRONLY), WITHIN)
+        try:
+            cli.send_signal(signum)  # it is reading its configuration, which has not come yet
+            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+        finally:
+            os.close(writer)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            cli.kill()
+    assert cli.returncode == 5, err.decode()
+    assert "interrupted before the request was sent; nothing was opened" in err.decode()

@@ -76,6 +76,24 @@ def request(
          card; if Kazma cannot be told, it withdraws it once nobody asks (90 s)
       6  unverified: the store says approved, but Kazma did not seal it (or its arguments changed since)
     """
+    # From the first line on: Ctrl-C while Kazma's configuration is read came out as click's "Aborted!", exit 1,
+    # which is "denied" to a script.
+    opening = _Opening()
+    with _interruptible():
+        try:
+            _ask(obj, tool, args, reason, wait, deadline, url, policy, opening)
+        except KeyboardInterrupt:  # outside the open and the wait, where _ask withdraws what it opened
+            if opening.sent:  # as it ended (its connections closing, its last words): what stands, stands
+                click.echo("interrupted as it ended; the request was not withdrawn", err=True)
+            else:
+                click.echo("interrupted before the request was sent; nothing was opened", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+def _ask(
+    obj: Context, tool: str, args: tuple[str, ...], reason: str | None, wait: bool, deadline: float | None,
+    url: str | None, policy: str | None, opening: _Opening,
+) -> None:  # fmt: skip
     import httpx
 
     token = os.environ.get("KAZMA_API_TOKEN", "")
@@ -103,9 +121,8 @@ def request(
     if wait:  # this process waits and keeps asking: Kazma withdraws the request when it stops
         headers["Kazma-Wait"] = "sync"
     found: dict[str, Any] | None = None
-    opening = _Opening()
     try:
-        with httpx.Client(base_url=base, headers=headers, timeout=90, trust_env=False) as client, _interruptible():
+        with httpx.Client(base_url=base, headers=headers, timeout=90, trust_env=False) as client:
             try:
                 found = _post(client, body, opening)
                 click.echo(f"request {found['id']}  {found['link']}")
@@ -114,7 +131,7 @@ def request(
                     return
                 found = _poll(client, found)
             except KeyboardInterrupt:
-                _interrupted(client, found, body, opening, wait)
+                _interrupted(client, found, body, opening, wait)  # exits: never the outer "nothing was opened"
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (`--url http://[::1`) is no HTTPError
         click.echo(f"could not reach Kazma at {base}: {exc}", err=True)
         sys.exit(EXIT_UNASKED)
