@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kazma.adapters.pacing import ChatRateLimiter
@@ -60,20 +60,26 @@ class Withheld:
 
     url: str
     connections: int = 0
+    first_request_read: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @asynccontextmanager
-async def first_answer_withheld(upstream: str) -> AsyncIterator[Withheld]:
+async def first_answer_withheld(upstream: str, *, request_too: bool = False) -> AsyncIterator[Withheld]:
     """A proxy before ``upstream`` (http://host:port) that passes every request on at once and never passes back
     the answer on the first connection: a request Kazma acted on whose answer is still on its way. Later
-    connections pass both ways."""
+    connections pass both ways. ``request_too``: the first connection's request is read and never passed on
+    either (a POST lost on the way: Kazma never saw it)."""
     host, _, port = upstream.removeprefix("http://").rpartition(":")
     pipes: set[asyncio.Task[None]] = set()
     seen = Withheld("")
 
-    async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, withheld: bool) -> None:
+    async def pipe(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, withheld: bool, read: asyncio.Event | None = None
+    ) -> None:
         with contextlib.suppress(ConnectionError):
             while chunk := await source.read(65536):
+                if read is not None:
+                    read.set()
                 if not withheld:
                     sink.write(chunk)
                     await sink.drain()
@@ -81,8 +87,10 @@ async def first_answer_withheld(upstream: str) -> AsyncIterator[Withheld]:
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         seen.connections += 1
+        first = seen.connections == 1
         up_reader, up_writer = await asyncio.open_connection(host, int(port))
-        for task in (pipe(reader, up_writer, False), pipe(up_reader, writer, seen.connections == 1)):
+        asked = pipe(reader, up_writer, first and request_too, seen.first_request_read if first else None)
+        for task in (asked, pipe(up_reader, writer, first)):
             pipes.add(asyncio.create_task(task))
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)

@@ -55,6 +55,30 @@ async def test_cli_interrupted_while_its_open_is_on_the_way_withdraws_what_kazma
         assert proxy.connections == 2
 
 
+async def test_cli_interrupted_after_its_open_was_lost_on_the_way_opens_it_and_withdraws_it_at_once(
+    tmp_path: Path,
+) -> None:
+    """The POST left the CLI but never reached Kazma, and the CLI cannot tell that from an answer on its way: the
+    POST sent again with the same Idempotency-Key opens the request, which is withdrawn at once (its card says
+    so) - one request, ended, never one left approvable for nobody."""
+    async with kazma_door(tmp_path) as door, first_answer_withheld(door.url, request_too=True) as proxy:
+        cli = await door.run_cli(
+            "approvals", "request", "--url", proxy.url, "--tool", "deploy", "--arg", "env=prod", "--wait"
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(proxy.first_request_read.wait(), WITHIN)
+            assert not await door.app.service.store.requests()  # Kazma never saw it
+            cli.send_signal(signal.SIGINT)
+            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                cli.kill()
+        assert cli.returncode == 5, err.decode()
+        [request] = await door.app.service.store.requests()
+        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
+        assert f"request {request.id} withdrawn" in err.decode()
+
+
 @contextlib.asynccontextmanager
 async def withdrawals_refused(
     upstream: str, statuses: list[int], *, arrived: asyncio.Event | None = None, release: asyncio.Event | None = None

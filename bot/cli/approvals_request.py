@@ -223,7 +223,7 @@ def _interrupted(
 def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
     """The request this invocation's Idempotency-Key opened (or opens now); {} when Kazma refuses, so opened
     nothing for the key (a 429 is answered only for a key it does not know); None when Kazma cannot be asked."""
-    answered = _again(client, lambda left: client.post("/api/v1/approvals", json=body, timeout=left), busy=(500,))
+    answered = _again(lambda left: client.post("/api/v1/approvals", json=body, timeout=left), busy=(500,))
     if answered is None:
         return None
     return (_request_of(answered) or None) if answered.status_code < 300 else {}
@@ -232,13 +232,11 @@ def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
 def _withdrawn(client: Any, request_id: str) -> dict[str, Any] | None:
     """Withdraw ``request_id``: the request as Kazma answers, or None when it could not be told."""
     url = f"/api/v1/approvals/{request_id}"
-    answered = _again(
-        client, lambda left: client.delete(url, params={"why": "interrupted"}, timeout=left), busy=(429, 500)
-    )
+    answered = _again(lambda left: client.delete(url, params={"why": "interrupted"}, timeout=left), busy=(429, 500))
     return None if answered is None or answered.status_code >= 400 else _request_of(answered)
 
 
-def _again(client: Any, send: Any, *, busy: tuple[int, ...]) -> Any:
+def _again(send: Any, *, busy: tuple[int, ...]) -> Any:
     """``send(seconds left)``, sent again while Kazma cannot answer (no connection, 502-504, or a status in
     ``busy``), for at most ``WITHDRAW_TIMEOUT`` in all; its answer otherwise, or None. A 429 to the POST sent again
     is no reason to ask again: Kazma answers it only for a key it does not know, so nothing was opened."""
