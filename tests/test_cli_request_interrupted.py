@@ -9,6 +9,7 @@ import contextlib
 import http.server
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -263,3 +264,39 @@ async def test_interrupted_while_reading_its_configuration_is_interrupted_not_de
             cli.kill()
     assert cli.returncode == 5, err.decode()
     assert "interrupted before the request was sent; nothing was opened" in err.decode()
+
+
+def test_a_withdrawal_answered_a_byte_at_a_time_gives_up_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx's timeout bounds each read, not the answer: a DELETE answered one byte a second (a proxy stalling)
+    held the interrupted CLI, its second Ctrl-C let go, for as long as the bytes came. It gives up within its
+    bound and says Kazma could not be told."""
+    import httpx
+
+    from kazma.bot.cli import approvals_request
+
+    monkeypatch.setattr(approvals_request, "WITHDRAW_TIMEOUT", 0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+            with contextlib.suppress(OSError):
+                while not done.wait(0.05):
+                    conn.sendall(b" ")
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    answered: list[dict[str, Any] | None] = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}") as client:
+        asking = threading.Thread(target=lambda: answered.append(approvals_request._withdrawn(client, "a" * 24)))
+        asking.start()
+        asking.join(WITHIN)
+        held = asking.is_alive()
+        done.set()
+        asking.join()
+    listener.close()
+    assert not held, "the withdrawal was still reading the trickled answer"
+    assert answered == [None]

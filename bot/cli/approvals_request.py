@@ -223,7 +223,9 @@ def _interrupted(
 def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
     """The request this invocation's Idempotency-Key opened (or opens now); {} when Kazma refuses, so opened
     nothing for the key (a 429 is answered only for a key it does not know); None when Kazma cannot be asked."""
-    answered = _again(lambda left: client.post("/api/v1/approvals", json=body, timeout=left), busy=(500,))
+    answered = _again(
+        client, lambda left: client.build_request("POST", "/api/v1/approvals", json=body, timeout=left), busy=(500,)
+    )
     if answered is None:
         return None
     return (_request_of(answered) or None) if answered.status_code < 300 else {}
@@ -232,19 +234,23 @@ def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
 def _withdrawn(client: Any, request_id: str) -> dict[str, Any] | None:
     """Withdraw ``request_id``: the request as Kazma answers, or None when it could not be told."""
     url = f"/api/v1/approvals/{request_id}"
-    answered = _again(lambda left: client.delete(url, params={"why": "interrupted"}, timeout=left), busy=(429, 500))
+    asked = {"why": "interrupted"}
+    answered = _again(
+        client, lambda left: client.build_request("DELETE", url, params=asked, timeout=left), busy=(429, 500)
+    )
     return None if answered is None or answered.status_code >= 400 else _request_of(answered)
 
 
-def _again(send: Any, *, busy: tuple[int, ...]) -> Any:
-    """``send(seconds left)``, sent again while Kazma cannot answer (no connection, 502-504, or a status in
-    ``busy``), for at most ``WITHDRAW_TIMEOUT`` in all; its answer otherwise, or None. A 429 to the POST sent again
-    is no reason to ask again: Kazma answers it only for a key it does not know, so nothing was opened."""
+def _again(client: Any, build: Any, *, busy: tuple[int, ...]) -> Any:
+    """The request ``build(seconds left)`` makes, sent again while Kazma cannot answer (no connection, 502-504, or
+    a status in ``busy``), for at most ``WITHDRAW_TIMEOUT`` in all; its answer otherwise, or None. A 429 to the
+    POST sent again is no reason to ask again: Kazma answers it only for a key it does not know, so nothing was
+    opened."""
     give_up = time.monotonic() + WITHDRAW_TIMEOUT
     pause = 0.2
     while (left := give_up - time.monotonic()) > 0:
         try:
-            answered = send(left)
+            answered = _within(client, build(left), give_up)
         except Exception:  # an interrupted process says what it could not do: never a traceback here
             answered = None
         else:
@@ -253,6 +259,23 @@ def _again(send: Any, *, busy: tuple[int, ...]) -> Any:
         time.sleep(min(pause, max(0.0, give_up - time.monotonic())))
         pause *= 2
     return None
+
+
+def _within(client: Any, request: Any, give_up: float) -> Any:
+    """``request``'s answer, read by the monotonic time ``give_up`` (TimeoutError after it). httpx's timeout bounds
+    each read, not the answer: one trickled a byte at a time held the withdrawal, with Ctrl-C let go, for ever."""
+    import httpx
+
+    streamed = client.send(request, stream=True)
+    try:
+        content = bytearray()
+        for chunk in streamed.iter_bytes():
+            content += chunk
+            if time.monotonic() > give_up:
+                raise TimeoutError("the answer did not come within the bound")
+        return httpx.Response(streamed.status_code, content=bytes(content))
+    finally:
+        streamed.close()
 
 
 def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
