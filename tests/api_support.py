@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kazma.adapters.pacing import ChatRateLimiter
@@ -26,7 +27,7 @@ VIEWER_TOKEN = "view-" + "v" * 40
 OTHER_TOKEN = "other-" + "o" * 40
 OPERATOR_TOKEN = "op-" + "p" * 40
 
-__all__ = ["TG_CHAT", "Door", "cards", "kazma_door", "press"]
+__all__ = ["TG_CHAT", "Door", "Withheld", "cards", "first_answer_withheld", "kazma_door", "press"]
 
 
 @dataclass
@@ -40,7 +41,9 @@ class Door:
         return {"Authorization": f"Bearer {token}"}
 
     async def run_cli(self, *args: str, token: str = REQUESTER_TOKEN) -> asyncio.subprocess.Process:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": token, "NO_PROXY": "127.0.0.1"}
+        # A PYTHONPATH already set comes first: a worktree's import shim is what the CLI then runs.
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+        env = {**os.environ, "PYTHONPATH": path, "KAZMA_API_TOKEN": token, "NO_PROXY": "127.0.0.1"}
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
@@ -49,6 +52,56 @@ class Door:
     async def press(self, code: str) -> None:
         await self.telegram.wait_until(lambda: bool(cards(self.telegram)), timeout=30)
         await press(self.telegram, code)
+
+
+@dataclass
+class Withheld:
+    """What :func:`first_answer_withheld` saw: its URL, and how many connections the client opened."""
+
+    url: str
+    connections: int = 0
+    first_request_read: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@asynccontextmanager
+async def first_answer_withheld(upstream: str, *, request_too: bool = False) -> AsyncIterator[Withheld]:
+    """A proxy before ``upstream`` (http://host:port) that passes every request on at once and never passes back
+    the answer on the first connection: a request Kazma acted on whose answer is still on its way. Later
+    connections pass both ways. ``request_too``: the first connection's request is read and never passed on
+    either (a POST lost on the way: Kazma never saw it)."""
+    host, _, port = upstream.removeprefix("http://").rpartition(":")
+    pipes: set[asyncio.Task[None]] = set()
+    seen = Withheld("")
+
+    async def pipe(
+        source: asyncio.StreamReader, sink: asyncio.StreamWriter, withheld: bool, read: asyncio.Event | None = None
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await source.read(65536):
+                if read is not None:
+                    read.set()
+                if not withheld:
+                    sink.write(chunk)
+                    await sink.drain()
+        sink.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.connections += 1
+        first = seen.connections == 1
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        asked = pipe(reader, up_writer, first and request_too, seen.first_request_read if first else None)
+        for task in (asked, pipe(up_reader, writer, first)):
+            pipes.add(asyncio.create_task(task))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    seen.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield seen
+    finally:
+        server.close()
+        for task in pipes:
+            task.cancel()
+        await asyncio.gather(*pipes, return_exceptions=True)
 
 
 @asynccontextmanager

@@ -3,7 +3,8 @@
 Exit codes with ``--wait``: 0 approved, 1 denied, 2 timeout, 3 cancelled; 4 when Kazma could not be asked;
 5 when the wait was interrupted (SIGINT, SIGTERM) — the request is withdrawn, never left for a press that
 nobody would act on, and an interruption is never reported as a denial; 6 when the store says approved but no
-decision path of Kazma sealed it (written into the store by something else: do not act on it).
+decision path of Kazma sealed it (written into the store by something else: do not act on it). Interrupted
+without ``--wait`` (while the request is being opened), it withdraws what it opened too, and exits 5.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ def request(
          card; if Kazma cannot be told, it withdraws it once nobody asks (90 s)
       6  unverified: the store says approved, but Kazma did not seal it (or its arguments changed since)
     """
+    # From the first line on: Ctrl-C while Kazma's configuration is read came out as click's "Aborted!", exit 1,
+    # which is "denied" to a script.
+    opening = _Opening()
+    with _interruptible():
+        try:
+            _ask(obj, tool, args, reason, wait, deadline, url, policy, opening)
+        except KeyboardInterrupt:  # outside the open and the wait, where _ask withdraws what it opened
+            if opening.sent:  # as it ended (its connections closing, its last words): what stands, stands
+                click.echo("interrupted as it ended; the request was not withdrawn", err=True)
+            else:
+                click.echo("interrupted before the request was sent; nothing was opened", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+def _ask(
+    obj: Context, tool: str, args: tuple[str, ...], reason: str | None, wait: bool, deadline: float | None,
+    url: str | None, policy: str | None, opening: _Opening,
+) -> None:  # fmt: skip
     import httpx
 
     token = os.environ.get("KAZMA_API_TOKEN", "")
@@ -103,16 +122,16 @@ def request(
         headers["Kazma-Wait"] = "sync"
     found: dict[str, Any] | None = None
     try:
-        with httpx.Client(base_url=base, headers=headers, timeout=90, trust_env=False) as client, _interruptible(wait):
+        with httpx.Client(base_url=base, headers=headers, timeout=90, trust_env=False) as client:
             try:
-                found = _post(client, body)
+                found = _post(client, body, opening)
                 click.echo(f"request {found['id']}  {found['link']}")
                 click.echo(f"sha256  {found['hash']}")
                 if not wait:
                     return
                 found = _poll(client, found)
             except KeyboardInterrupt:
-                _interrupted(client, found)
+                _interrupted(client, found, body, opening, wait)  # exits: never the outer "nothing was opened"
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL (`--url http://[::1`) is no HTTPError
         click.echo(f"could not reach Kazma at {base}: {exc}", err=True)
         sys.exit(EXIT_UNASKED)
@@ -124,42 +143,73 @@ def request(
     sys.exit(EXIT.get(found["status"], EXIT_UNASKED))
 
 
+class _Opening:
+    """Whether the POST that opens the request may have reached Kazma: true once its headers began to leave."""
+
+    def __init__(self) -> None:
+        self.sent = False
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:
+        # httpcore's trace extension: "http11.send_request_headers.started" (or http2's) is the first byte out.
+        if event.endswith(".send_request_headers.started"):
+            self.sent = True
+
+
 @contextlib.contextmanager
-def _interruptible(wait: bool) -> Iterator[None]:
-    """While waiting, SIGTERM interrupts like Ctrl-C does (a CI runner cancelling the job sends SIGTERM)."""
-    if not wait:
-        yield
-        return
+def _interruptible() -> Iterator[None]:
+    """SIGTERM interrupts like Ctrl-C does (a CI runner cancelling the job sends SIGTERM); the first of either
+    interrupts, and any later one is let go, so that a second Ctrl-C cannot cut the withdrawal short — not even
+    while the first is still unwinding, before any handler could set it aside."""
+    interrupted = False
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _interrupted(client: Any, found: dict[str, Any] | None) -> None:
-    """The wait was interrupted: withdraw the request (best effort), say so, exit 5."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the withdrawal short
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _interrupted(
+    client: Any, found: dict[str, Any] | None, body: dict[str, Any], opening: _Opening, wait: bool
+) -> None:
+    """Interrupted: withdraw the request (bounded), say so, exit 5.
+
+    Interrupted while the POST was on its way, Kazma may have opened the request (its cards out) without the id
+    coming back. The same POST is sent again with the same Idempotency-Key: Kazma answers with the request the
+    first one opened, which is then withdrawn. If the first never arrived, that second POST opens it, and it is
+    withdrawn at once (its cards say so): never a request left approvable for nobody. A POST that never left this
+    process opened nothing, and nothing is sent again."""
+    key = client.headers["Idempotency-Key"]
     if found is None:
-        click.echo(
-            "interrupted before Kazma answered; a request it opened is withdrawn once nobody asks about it", err=True
-        )
-        sys.exit(EXIT_INTERRUPTED)
-    try:
-        answered = client.delete(
-            f"/api/v1/approvals/{found['id']}", params={"why": "interrupted"}, timeout=WITHDRAW_TIMEOUT
-        )
-        after = answered.json() if answered.status_code < 400 else None
-    except Exception:
-        after = None
+        if not opening.sent:
+            click.echo("interrupted before the request was sent; nothing was opened", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        again = _reopened(client, body)
+        if again is None:
+            ends = "once nobody asks about it (90 s)" if wait else "at its deadline"
+            click.echo(
+                f"interrupted before Kazma answered, and Kazma could not be asked again: a request it opened "
+                f"(Idempotency-Key {key}) stays pending until {ends}",
+                err=True,
+            )
+            sys.exit(EXIT_INTERRUPTED)
+        if not again:
+            click.echo("interrupted before Kazma opened the request; nothing was opened", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        found = again
+    after = _withdrawn(client, found["id"])
     if after is None:
+        ends = "withdraws it once nobody asks about it (90 s)" if wait else "keeps it pending until its deadline"
         click.echo(
-            f"interrupted; Kazma could not be told, so it withdraws request {found['id']} once nobody asks about it",
+            f"interrupted; Kazma could not be told, so it {ends}: request {found['id']} "
+            f"(DELETE /api/v1/approvals/{found['id']} withdraws it)",
             err=True,
         )
     elif after["status"] == "cancelled":
@@ -168,6 +218,64 @@ def _interrupted(client: Any, found: dict[str, Any] | None) -> None:
         said = f"interrupted; request {found['id']} was already {after['status']}, and nothing here acts on it"
         click.echo(said, err=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The request this invocation's Idempotency-Key opened (or opens now); {} when Kazma refuses, so opened
+    nothing for the key (a 429 is answered only for a key it does not know); None when Kazma cannot be asked."""
+    answered = _again(
+        client, lambda left: client.build_request("POST", "/api/v1/approvals", json=body, timeout=left), busy=(500,)
+    )
+    if answered is None:
+        return None
+    return (_request_of(answered) or None) if answered.status_code < 300 else {}
+
+
+def _withdrawn(client: Any, request_id: str) -> dict[str, Any] | None:
+    """Withdraw ``request_id``: the request as Kazma answers, or None when it could not be told."""
+    url = f"/api/v1/approvals/{request_id}"
+    asked = {"why": "interrupted"}
+    answered = _again(
+        client, lambda left: client.build_request("DELETE", url, params=asked, timeout=left), busy=(429, 500)
+    )
+    return None if answered is None or answered.status_code >= 400 else _request_of(answered)
+
+
+def _again(client: Any, build: Any, *, busy: tuple[int, ...]) -> Any:
+    """The request ``build(seconds left)`` makes, sent again while Kazma cannot answer (no connection, 502-504, or
+    a status in ``busy``), for at most ``WITHDRAW_TIMEOUT`` in all; its answer otherwise, or None. A 429 to the
+    POST sent again is no reason to ask again: Kazma answers it only for a key it does not know, so nothing was
+    opened."""
+    give_up = time.monotonic() + WITHDRAW_TIMEOUT
+    pause = 0.2
+    while (left := give_up - time.monotonic()) > 0:
+        try:
+            answered = _within(client, build(left), give_up)
+        except Exception:  # an interrupted process says what it could not do: never a traceback here
+            answered = None
+        else:
+            if answered.status_code not in (*busy, 502, 503, 504):
+                return answered
+        time.sleep(min(pause, max(0.0, give_up - time.monotonic())))
+        pause *= 2
+    return None
+
+
+def _within(client: Any, request: Any, give_up: float) -> Any:
+    """``request``'s answer, read by the monotonic time ``give_up`` (TimeoutError after it). httpx's timeout bounds
+    each read, not the answer: one trickled a byte at a time held the withdrawal, with Ctrl-C let go, for ever."""
+    import httpx
+
+    streamed = client.send(request, stream=True)
+    try:
+        content = bytearray()
+        for chunk in streamed.iter_bytes():
+            content += chunk
+            if time.monotonic() > give_up:
+                raise TimeoutError("the answer did not come within the bound")
+        return httpx.Response(streamed.status_code, content=bytes(content))
+    finally:
+        streamed.close()
 
 
 def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
@@ -182,13 +290,15 @@ def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
         except httpx.TransportError as exc:
             problem = str(exc) or type(exc).__name__
         else:
-            if polled.status_code < 400:
-                found = polled.json()
+            read = _request_of(polled) if polled.status_code < 400 else None
+            if read is not None:
+                found = read
                 failing_since = None
                 continue
-            if polled.status_code not in (502, 503, 504):
+            if polled.status_code >= 400 and polled.status_code not in (502, 503, 504):
                 _unasked(polled)
-            problem = f"HTTP {polled.status_code}"
+            # A 200 that is no request (a proxy's page between here and Kazma) is a Kazma not answering yet
+            problem = f"HTTP {polled.status_code}" if polled.status_code >= 400 else _NOT_A_REQUEST
         now = time.monotonic()
         failing_since = now if failing_since is None else failing_since
         if now - failing_since > POLL_RETRY_SECONDS:
@@ -198,20 +308,46 @@ def _poll(client: Any, found: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _post(client: Any, body: dict[str, Any]) -> dict[str, Any]:
+def _post(client: Any, body: dict[str, Any], opening: _Opening) -> dict[str, Any]:
+    """Open the request; a dropped connection or a 502-504 is asked again with the same Idempotency-Key: a 503
+    can mean the request was opened (its cards up) and the store failed before the answer, and the key gets it."""
     for attempt in range(3):
         try:
-            response = client.post("/api/v1/approvals", json=body)
+            response = client.post("/api/v1/approvals", json=body, extensions={"trace": opening.trace})
         except Exception:
             if attempt == 2:
                 raise
             time.sleep(1 + attempt)
             continue
+        if response.status_code in (502, 503, 504) and attempt < 2:
+            time.sleep(1 + attempt)
+            continue
         if response.status_code >= 400:
             _unasked(response)
-        found: dict[str, Any] = response.json()
+        found = _request_of(response, opened=True)
+        if found is None:
+            # Not Kazma's answer (another web server at --url, a login page of a proxy): a traceback before
+            said = f"the answer at {client.base_url} is {_NOT_A_REQUEST} (HTTP {response.status_code})"
+            click.echo(f"{said}: is it Kazma's address?", err=True)
+            sys.exit(EXIT_UNASKED)
         return found
     raise AssertionError("unreachable")
+
+
+_NOT_A_REQUEST = "no approval request"
+
+
+def _request_of(response: Any, *, opened: bool = False) -> dict[str, Any] | None:
+    """The approval request a JSON answer of Kazma's is; None for any other answer. ``opened``: it must carry
+    what is printed of a request just opened too (its link and hash)."""
+    try:
+        found = response.json()
+    except ValueError:
+        return None
+    needed = ("id", "status", "link", "hash") if opened else ("id", "status")
+    if not isinstance(found, dict) or not all(isinstance(found.get(name), str) for name in needed):
+        return None
+    return found
 
 
 def _unasked(response: Any) -> None:
