@@ -295,3 +295,24 @@ def test_force_names_the_public_url_the_file_keeps(tmp_path: Path, monkeypatch: 
     )
     assert same.exit_code == 0
     assert "Kept web.public_url" not in same.stdout  # the same URL, as Kazma reads it: nothing was left out
+
+
+def test_force_without_web_login_keeps_the_login_the_file_gives_you(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --force without --web-login answered with the system user's name: a second person claiming cli:<login>,
+    # which the file gives to alice, and "cli:root is claimed twice" with nothing written and no word on what to do.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(main, ["init", "--web-login", "alice", "--no-input"]).exit_code == 0
+    again = CliRunner().invoke(main, ["init", "--no-input", "--force", "--public-url", "https://b.example.org"])
+    assert again.exit_code == 0, again.output
+    assert f"you are alice, an approver as web:alice, cli:{system_login()}" in again.stdout
+    assert set(load_config(tmp_path / "kazma.yaml", environ={}).config.people.persons) == {"alice"}
+    # another login named on purpose still clashes with the file: the refusal says who the file says you are
+    other = CliRunner().invoke(main, ["init", "--no-input", "--force", "--web-login", "bob"])
+    assert other.exit_code == 2
+    assert "you are web:alice in kazma.yaml: leave --web-login out, or pass --web-login alice" in other.stderr

@@ -28,6 +28,7 @@ from kazma.bot.cli.init_config import (
 )
 from kazma.bot.cli.init_merge import merge_into
 from kazma.config import ConfigError, load_config_text
+from kazma.config.address import Actor
 from kazma.config.loader import resolve_path
 from kazma.config.registry import CHAT_PLATFORMS
 
@@ -179,7 +180,11 @@ def init(
             show_default=False,
             value_proc=_platforms,
         )
-    login = _answer(web_login, ask, "Your name in the web console", _login, default=_default_login())
+    # --force keeps the person's file, and who they are in it: without --web-login they stay the person their
+    # file names for this system user (it was the system user's name, whose cli: identity the file gives to them,
+    # and nothing was written but "cli:root is claimed twice").
+    file_login = _file_login(target) if force and target.exists() else None
+    login = _answer(web_login, ask, "Your name in the web console", _login, default=file_login or _default_login())
     presences: dict[str, Presence] = {}
     for platform in chosen:
         user, chat = given[_flag(platform, "user")], given[_flag(platform, CHAT_PLATFORMS[platform].chat_word)]
@@ -216,7 +221,7 @@ def init(
         sys.exit(2)
     signed_in_at = answers.public_url
     if force and target.exists():
-        written = _merge_and_back_up(target, text, answers)
+        written = _merge_and_back_up(target, text, answers, file_login=file_login)
         # --force keeps the file's web.public_url: the next steps name the one it has, and a different one asked
         # for is said to be left out (it was "sign in at <the flag's URL>", which the file did not say)
         kept, asked = _public_url_of(written), _public_url_of(text)
@@ -278,7 +283,22 @@ def _public_url_of(text: str) -> str | None:
     return loaded.config.web.public_url
 
 
-def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> str:
+def _file_login(target: Path) -> str | None:
+    """The console login the file gives the person whose ``cli:`` identity is this system user: who runs
+    ``kazma init`` here, as the file says (None: it names no such person with a console login, or does not load)."""
+    try:
+        text = target.read_text(encoding="utf-8")
+        loaded = load_config_text(text, environ={**os.environ, **PLACEHOLDER_SECRETS}, platform_secrets=False)
+    except (OSError, UnicodeDecodeError, ConfigError):
+        return None
+    people = loaded.config.people
+    person = people.person_of(str(Actor("cli", system_login())))
+    found = people.person(person) if person is not None else None
+    logins = [Actor.parse(identity).user for identity in found.on("web")] if found is not None else []
+    return logins[0] if logins else None
+
+
+def _merge_and_back_up(target: Path, text: str, answers: InitAnswers, *, file_login: str | None = None) -> str:
     """``--force`` on an existing file: the person's file with what the answers add, after a dated copy of it.
     Returns the text written."""
     try:
@@ -304,6 +324,9 @@ def _merge_and_back_up(target: Path, text: str, answers: InitAnswers) -> str:
             click.echo(f"{target}: the file with your answers merged in would not load; nothing was written:", err=True)
             for line in exc.lines:
                 click.echo(f"  {line}", err=True)
+            if file_login is not None and file_login != answers.web_login.lower():
+                click.echo(f"  you are web:{file_login} in {target}: leave --web-login out, or pass --web-login "
+                           f"{file_login}", err=True)  # fmt: skip
             sys.exit(2)
         text = merged.text
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
