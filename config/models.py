@@ -105,10 +105,21 @@ OptionalTelegramChatId = Annotated[int | None, _optional_int("an integer chat id
 OptionalDiscordSnowflake = Annotated[int | None, _optional_int("a numeric Discord id")]
 
 
+_HTTP_URL = re.compile(r"^(https?)://[^\s/]+", re.IGNORECASE)
+_WS_URL = re.compile(r"^(wss?)://[^\s/]+", re.IGNORECASE)
+
+
+def lower_scheme(value: str) -> str:
+    """``value`` with its scheme in lower case: schemes are case-insensitive (RFC 3986), and the URL is kept
+    to be compared (``startswith("https://")``, an origin) and linked, which ``HTTPS://…`` failed."""
+    scheme, sep, rest = value.partition("://")
+    return f"{scheme.lower()}{sep}{rest}" if sep else value
+
+
 def _http_url(value: Any) -> Any:
-    if not isinstance(value, str) or not re.match(r"^https?://[^\s/]+", value):
+    if not isinstance(value, str) or not _HTTP_URL.match(value):
         raise PydanticCustomError("kazma_url", "expected an http(s) URL, got {got}", {"got": repr(value)})
-    return value
+    return lower_scheme(value)
 
 
 HttpUrl = Annotated[str, BeforeValidator(_http_url)]
@@ -117,11 +128,11 @@ HttpUrl = Annotated[str, BeforeValidator(_http_url)]
 def _ws_url(value: Any) -> Any:
     if value in ("", None):
         return ""
-    if not isinstance(value, str) or not re.match(r"^wss?://[^\s/]+", value):
+    if not isinstance(value, str) or not _WS_URL.match(value):
         raise PydanticCustomError(
             "kazma_url", "expected a ws(s) URL or empty for the default, got {got}", {"got": repr(value)}
         )
-    return value
+    return lower_scheme(value)
 
 
 class DangerLevel(StrEnum):
@@ -387,6 +398,11 @@ class MCPServerConfig(Strict):
             )
         return value
 
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: str) -> str:
+        return lower_scheme(value) if _HTTP_URL.match(value) else value  # anything else: refused with its transport
+
     @field_validator("read_only", "writable")
     @classmethod
     def _absolute(cls, value: list[Path]) -> list[Path]:
@@ -399,7 +415,7 @@ class MCPServerConfig(Strict):
     def _one_transport(self) -> MCPServerConfig:
         if bool(self.command) == bool(self.url):
             raise PydanticCustomError("kazma_mcp", "give exactly one of command (stdio) or url (streamable HTTP)", {})
-        if self.url and not re.match(r"^https?://[^\s/]+", self.url):
+        if self.url and not _HTTP_URL.match(self.url):
             raise PydanticCustomError(
                 "kazma_url", "expected an http(s) URL, got {got}", {"subpath": "url", "got": repr(self.url)}
             )
@@ -884,9 +900,9 @@ class MatrixConfig(Strict):
     @field_validator("homeserver")
     @classmethod
     def _url(cls, value: str) -> str:
-        if value and not re.match(r"^https?://[^\s/]+", value):
+        if value and not _HTTP_URL.match(value):
             raise PydanticCustomError("kazma_url", "expected an http(s) URL, got {got}", {"got": repr(value)})
-        return value.rstrip("/")
+        return lower_scheme(value).rstrip("/")
 
     @model_validator(mode="after")
     def _complete(self) -> MatrixConfig:

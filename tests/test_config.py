@@ -84,6 +84,29 @@ def test_slack_base_url_gets_trailing_slash() -> None:
     assert cfg.platforms.slack.api_base_url == "http://127.0.0.1:9/api/"
 
 
+def test_url_schemes_are_read_in_any_case_and_kept_in_lower_case() -> None:
+    # A scheme is case-insensitive (RFC 3986): HTTPS://… was refused as "expected an http(s) URL". It is kept in
+    # lower case, as everything that compares it (https:// for the proxy warning, secure cookies, passkeys'
+    # origin) and every link reads it.
+    from kazma.bot.console.passkeys import RelyingParty
+
+    text = """
+web: {public_url: 'HTTPS://Kazma.example.org/', trusted_proxies: [127.0.0.1]}
+model: {base_url: 'Http://127.0.0.1:11434/v1'}
+mcp_servers: {files: {url: 'HTTP://127.0.0.1:9/mcp'}}
+platforms: {matrix: {homeserver: 'HTTPS://m.example.org'}, discord: {gateway_url: 'WSS://g.example.org'}}
+"""
+    cfg = load_config_text(text, platform_secrets=False).config
+    assert cfg.web.public_url == "https://Kazma.example.org"
+    assert cfg.model.base_url == "http://127.0.0.1:11434/v1"
+    assert cfg.mcp_servers["files"].url == "http://127.0.0.1:9/mcp"
+    assert cfg.platforms.matrix.homeserver == "https://m.example.org"
+    assert cfg.platforms.discord.gateway_url == "wss://g.example.org"
+    assert RelyingParty.of(cfg.web.public_url).origin == "https://kazma.example.org"
+    with pytest.raises(ConfigError):
+        load_config_text("web: {public_url: 'HTTPX://kazma.example.org'}")
+
+
 # Each malformed configuration must be refused with exactly the problem lines
 # given, each naming the key path.
 MALFORMED: list[tuple[str, str, dict[str, str], list[str]]] = [

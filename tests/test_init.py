@@ -316,3 +316,20 @@ def test_force_without_web_login_keeps_the_login_the_file_gives_you(
     other = CliRunner().invoke(main, ["init", "--no-input", "--force", "--web-login", "bob"])
     assert other.exit_code == 2
     assert "you are web:alice in kazma.yaml: leave --web-login out, or pass --web-login alice" in other.stderr
+
+
+def test_a_public_url_scheme_in_any_case_is_an_http_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # HTTPS://… was refused as "an http(s) URL, e.g. https://kazma.example.org": schemes are case-insensitive.
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        main, ["init", "--web-login", "alice", "--no-input", "--public-url", "HTTPS://A.example.org/"]
+    )
+    assert result.exit_code == 0, result.output
+    config = load_config(tmp_path / "kazma.yaml", environ={}).config
+    assert config.web.public_url == "https://A.example.org"
+    assert config.web.trusted_proxies  # an https:// console: the TLS proxy's address, as for https://
+    assert "then sign in at https://A.example.org/login" in result.stdout

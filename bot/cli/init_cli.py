@@ -30,6 +30,7 @@ from kazma.bot.cli.init_merge import merge_into
 from kazma.config import ConfigError, load_config_text
 from kazma.config.address import Actor
 from kazma.config.loader import resolve_path
+from kazma.config.models import lower_scheme
 from kazma.config.registry import CHAT_PLATFORMS
 
 EXIT_EXISTS = 1
@@ -102,9 +103,9 @@ def _login(value: str) -> str:
 
 def _url(value: str) -> str:
     value = value.strip().rstrip("/")
-    if not re.match(r"^https?://[^\s/]+", value):
+    if not re.match(r"^https?://[^\s/]+", value, re.IGNORECASE):  # a scheme is any case: HTTPS:// too
         raise click.BadParameter("an http(s) URL, e.g. https://kazma.example.org")
-    return value
+    return lower_scheme(value)
 
 
 def _platforms(value: str) -> tuple[str, ...]:
