@@ -250,3 +250,39 @@ def test_two_routes_are_refused_not_one_dropped(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [*argv, "->", "slack:C0123ABCD"])
     assert result.exit_code == 0, result.output
     assert '"prompt": "go --to x", "route": {"platform": "slack", "chat": "C0123ABCD"}' in result.stdout
+
+
+def test_a_word_that_begins_with_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
+    # `kazma swarm dispatch researcher go ->slack:C1` (no space after the arrow) ended in click's "No such option
+    # '->'", as did `-->x`: words that begin with dashes and '>', which chat's grammar reads as task text.
+    import json
+
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+    from kazma.engine.swarm.grammar import parse
+    from kazma.engine.swarm.syntax import GrammarError
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+    defaults = load_config_text("", environ={}).config
+    for line in [
+        "dispatch researcher go ->slack:C1",
+        "dispatch researcher go a->",
+        "dispatch researcher go ->",
+        "dispatch researcher go -->x",
+        "dispatch researcher ->x go",
+        "fanout researcher,builder -->x ->y -> slack:C0123ABCD",
+    ]:
+        argv = ["-c", str(config), "swarm", "--parse-only", *line.split()]
+        result = CliRunner().invoke(main, argv)
+        refused: str | None = None
+        try:
+            chat = parse(line, workers=defaults.agents.workers, pipelines=defaults.pipelines).to_json()
+        except GrammarError as exc:
+            refused = exc.message
+        if refused is not None:
+            assert (result.exit_code, result.stderr) == (2, refused + "\n"), line
+            continue
+        assert result.exit_code == 0, (line, result.output)
+        assert json.loads(result.stdout) == json.loads(json.dumps(chat)), line

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,13 +47,21 @@ def _context() -> Context:
 
 # A route's arrow, as the terminal hands it to click: "->" starts with "-", so click took it for an unknown option
 # ("No such option '->'") and the README's `… -> slack:C0123` failed from a terminal. A NUL no shell can pass in an
-# argument stands in for it while click parses, and the grammar gets the arrow back.
+# argument stands in for it while click parses, and the grammar gets the arrow back. So for a word the arrow
+# begins after dashes only (`->slack:C1`, `-->x`): chat's grammar reads it as task text, and click as an option.
 ARROW = "->"
-_ARROW_HELD = "\x00->"
+_HELD = "\x00"
+_ARROW_HELD = _HELD + ARROW
+_ARROW_WORD = re.compile(r"-+>")
+
+
+def _held(arg: str) -> str:
+    """``arg`` as click may parse it: a word that begins with an arrow, behind a NUL."""
+    return _HELD + arg if _ARROW_WORD.match(arg) else arg
 
 
 def _run(verb: str, *words: str, to: str | None = None, context: str = "", confirm: bool | None = None) -> None:
-    text = " ".join([verb, *words]).replace(_ARROW_HELD, ARROW)
+    text = " ".join([verb, *words]).replace(_HELD, "")
     if to is not None:
         if _ends_in_route(text.split()):
             # `… -> slack:C1 --to discord:2`: the --to would have made the typed route task text, unsaid
@@ -224,7 +233,7 @@ class _SwarmGroup(click.Group):
             # a final route is --to, which every subcommand takes (one without task words had no place for it);
             # after "--" it stays words, and the grammar reads it off the task as chat does
             args = [*args[:-2], "--to", args[-1]]
-        return super().parse_args(ctx, [_ARROW_HELD if arg == ARROW else arg for arg in args])
+        return super().parse_args(ctx, [_held(arg) for arg in args])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         found = super().get_command(ctx, cmd_name)
