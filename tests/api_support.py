@@ -64,11 +64,14 @@ class Withheld:
 
 
 @asynccontextmanager
-async def first_answer_withheld(upstream: str, *, request_too: bool = False) -> AsyncIterator[Withheld]:
+async def first_answer_withheld(
+    upstream: str, *, request_too: bool = False, release: asyncio.Event | None = None
+) -> AsyncIterator[Withheld]:
     """A proxy before ``upstream`` (http://host:port) that passes every request on at once and never passes back
     the answer on the first connection: a request Kazma acted on whose answer is still on its way. Later
     connections pass both ways. ``request_too``: the first connection's request is read and never passed on
-    either (a POST lost on the way: Kazma never saw it)."""
+    either (a POST lost on the way: Kazma never saw it). ``release``: what was withheld is passed on once it is
+    set (the answer came back late), and the first connection passes both ways from then on."""
     host, _, port = upstream.removeprefix("http://").rpartition(":")
     pipes: set[asyncio.Task[None]] = set()
     seen = Withheld("")
@@ -80,9 +83,12 @@ async def first_answer_withheld(upstream: str, *, request_too: bool = False) -> 
             while chunk := await source.read(65536):
                 if read is not None:
                     read.set()
-                if not withheld:
-                    sink.write(chunk)
-                    await sink.drain()
+                if withheld:
+                    if release is None:
+                        continue  # never passed on
+                    await release.wait()
+                sink.write(chunk)
+                await sink.drain()
         sink.close()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

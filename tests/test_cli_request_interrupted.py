@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,32 @@ import pytest
 from aiohttp import web
 
 from kazma.config import failpoints
-from tests.api_support import REPO, first_answer_withheld, kazma_door
+from tests.api_support import REPO, Door, first_answer_withheld, kazma_door
 
 WITHIN = 30.0
+
+
+async def interrupted(
+    cli: asyncio.subprocess.Process, signum: signal.Signals, ready: Callable[[], Awaitable[None]]
+) -> str:
+    """``cli`` gets ``signum`` once ``ready`` returns: what it wrote to stderr by its exit (it is killed if anything
+    fails before, so that no CLI outlives its test)."""
+    try:
+        await ready()
+        cli.send_signal(signum)
+        _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            cli.kill()
+    return err.decode()
+
+
+async def assert_withdrawn_as_interrupted(door: Door, cli: asyncio.subprocess.Process, err: str) -> None:
+    """The CLI exited 5, Kazma holds one request, withdrawn because its asker was interrupted, and the CLI said so."""
+    assert cli.returncode == 5, err
+    [request] = await door.app.service.store.requests()
+    assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
+    assert f"request {request.id} withdrawn" in err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -40,19 +63,14 @@ async def test_cli_interrupted_while_its_open_is_on_the_way_withdraws_what_kazma
         cli = await door.run_cli(
             "approvals", "request", "--url", proxy.url, "--tool", "deploy", "--arg", "env=prod", *wait
         )  # fmt: skip
-        try:
+
+        async def opened() -> None:
             async with asyncio.timeout(WITHIN):
                 while not await door.app.service.store.requests(pending_only=True):
                     await asyncio.sleep(0.02)  # polling the store for the open Kazma made, not standing in for it
-            cli.send_signal(signum)
-            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                cli.kill()
-        assert cli.returncode == 5, err.decode()
-        [request] = await door.app.service.store.requests()  # the second ask found the first's request
-        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
-        assert f"request {request.id} withdrawn" in err.decode()
+
+        err = await interrupted(cli, signum, opened)
+        await assert_withdrawn_as_interrupted(door, cli, err)  # one request: the second ask found the first's
         assert proxy.connections == 2
 
 
@@ -66,18 +84,13 @@ async def test_cli_interrupted_after_its_open_was_lost_on_the_way_opens_it_and_w
         cli = await door.run_cli(
             "approvals", "request", "--url", proxy.url, "--tool", "deploy", "--arg", "env=prod", "--wait"
         )  # fmt: skip
-        try:
+
+        async def lost_on_the_way() -> None:
             await asyncio.wait_for(proxy.first_request_read.wait(), WITHIN)
             assert not await door.app.service.store.requests()  # Kazma never saw it
-            cli.send_signal(signal.SIGINT)
-            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                cli.kill()
-        assert cli.returncode == 5, err.decode()
-        [request] = await door.app.service.store.requests()
-        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
-        assert f"request {request.id} withdrawn" in err.decode()
+
+        err = await interrupted(cli, signal.SIGINT, lost_on_the_way)
+        await assert_withdrawn_as_interrupted(door, cli, err)
 
 
 @contextlib.asynccontextmanager
@@ -123,18 +136,13 @@ async def test_cli_interrupted_asks_again_when_kazma_cannot_take_the_withdrawal_
         cli = await door.run_cli(
             "approvals", "request", "--url", url, "--tool", "deploy", "--arg", "env=prod", "--wait"
         )  # fmt: skip
-        try:
+
+        async def has_the_id() -> None:
             assert cli.stdout is not None
-            assert (await asyncio.wait_for(cli.stdout.readline(), WITHIN)).startswith(b"request ")  # it has the id
-            cli.send_signal(signal.SIGINT)
-            _, err = await asyncio.wait_for(cli.communicate(), WITHIN)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                cli.kill()
-        assert cli.returncode == 5, err.decode()
-        [request] = await door.app.service.store.requests()
-        assert (request.status.value, request.reason) == ("cancelled", "withdrawn: the asker's process was interrupted")
-        assert f"request {request.id} withdrawn" in err.decode()
+            assert (await asyncio.wait_for(cli.stdout.readline(), WITHIN)).startswith(b"request ")
+
+        err = await interrupted(cli, signal.SIGINT, has_the_id)
+        await assert_withdrawn_as_interrupted(door, cli, err)
 
 
 async def test_cli_takes_the_request_kazma_opened_before_its_answer_failed(tmp_path: Path) -> None:

@@ -84,6 +84,22 @@ async def said(fake: FakeTelegram, needle: str) -> None:
 DEPLOY_PLAN = {"goal": "deploy", "steps": [{"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."}]}
 
 
+def plan_of(goal: str, *steps: tuple[str, str, str]) -> dict[str, object]:
+    """A plan as the lead writes it with ``write_plan``: ``steps`` are (title, assignee, input), numbered from 1."""
+    return {
+        "goal": goal,
+        "steps": [
+            {"index": index, "title": title, "assignee": assignee, "input": text}
+            for index, (title, assignee, text) in enumerate(steps, start=1)
+        ],
+    }
+
+
+def provider_breaks(messages: Sequence[Message]) -> ModelReply:
+    """A turn whose model provider itself breaks: a bug inside Kazma, not a ``ModelError``."""
+    raise RuntimeError("the provider broke")
+
+
 def _answered_eu(messages: Sequence[Message]) -> ModelReply:
     return ModelReply(content="Deployed to eu." if "A: eu" in str(messages[-1]["content"]) else "??")
 
@@ -422,14 +438,7 @@ async def test_a_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_dec
     # Something other than the model's or a tool's failure (here the model provider itself breaking: a bug, not a
     # ModelError) escaped the step's turn: nothing was posted, the step stayed in progress until a restart, and the
     # plan waited for it for good.
-    plan = {
-        "goal": "ship",
-        "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Build it."}],
-    }
-
-    def broken(messages: Sequence[Message]) -> ModelReply:
-        raise RuntimeError("the provider broke")
-
+    plan = plan_of("ship", ("build", "builder", "Build it."))
     scripts: dict[str, list[ScriptStep]] = {
         "kazma": [
             call("write_plan", plan),
@@ -437,7 +446,7 @@ async def test_a_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_dec
             call("abort_plan", {"reason": "the builder broke"}),  # asked about step 1
             ModelReply(content="Stopped: the builder broke."),
         ],
-        "builder": [broken],
+        "builder": [provider_breaks],
     }
     async with kazma(tmp_path, scripts) as (app, fake):
         fake.push_message(CHAT, ALICE, "@kazma ship it", username="alice")
@@ -448,10 +457,7 @@ async def test_a_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lead_dec
 
 
 async def test_a_lead_turn_that_fails_inside_kazma_tells_the_person(tmp_path: Path) -> None:
-    def broken(messages: Sequence[Message]) -> ModelReply:
-        raise RuntimeError("the provider broke")
-
-    async with kazma(tmp_path, {"kazma": [broken, ModelReply(content="Here now.")]}) as (_app, fake):
+    async with kazma(tmp_path, {"kazma": [provider_breaks, ModelReply(content="Here now.")]}) as (_app, fake):
         fake.push_message(CHAT, ALICE, "@kazma hello", username="alice")
         await said(fake, "Kazma failed while working on this (an internal error, RuntimeError)")
         assert not any("the provider broke" in t for t in texts(fake))  # the error's own text stays in the log
@@ -497,19 +503,12 @@ async def test_a_lead_step_whose_turn_fails_inside_kazma_ends_failed_and_the_lea
     # A step assigned to the lead itself runs its turn apart from a sub-agent's: something other than a model's or a
     # tool's failure escaping it (the provider breaking: a bug, not a ModelError) went to the task's log only, the
     # step stayed in progress until a restart, and the plan waited for it for good, nothing said in the chat.
-    plan = {
-        "goal": "ship",
-        "steps": [{"index": 1, "title": "sum up", "assignee": "kazma", "input": "Sum it up."}],
-    }
-
-    def broken(messages: Sequence[Message]) -> ModelReply:
-        raise RuntimeError("the provider broke")
-
+    plan = plan_of("ship", ("sum up", "kazma", "Sum it up."))
     scripts: dict[str, list[ScriptStep]] = {
         "kazma": [
             call("write_plan", plan),
             ModelReply(content="Planned."),
-            broken,  # the lead's own step
+            provider_breaks,  # the lead's own step
             call("abort_plan", {"reason": "the summary broke"}),  # asked about step 1
             ModelReply(content="Stopped: the summary broke."),
         ],
@@ -529,19 +528,18 @@ async def test_a_leads_turn_about_a_failed_step_that_fails_inside_kazma_tells_th
     # The executor's own turns of the lead (asked about a failed step, reporting the end) broke with nothing said:
     # the error reached the task's log only, the steps that needed the failed one were dropped and the plan ended
     # while the person was never told that the lead could not decide.
-    plan = {
-        "goal": "ship",
-        "steps": [{"index": 1, "title": "build", "assignee": "builder", "input": "Build it."}],
-    }
-
-    def broken(messages: Sequence[Message]) -> ModelReply:
-        raise RuntimeError("the provider broke")
+    plan = plan_of("ship", ("build", "builder", "Build it."))
 
     def refused(messages: Sequence[Message]) -> ModelReply:
         raise ModelError("bad key", permanent=True)
 
     scripts: dict[str, list[ScriptStep]] = {
-        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), broken, ModelReply(content="All ended.")],
+        "kazma": [
+            call("write_plan", plan),
+            ModelReply(content="Planned."),
+            provider_breaks,
+            ModelReply(content="All ended."),
+        ],
         "builder": [refused],
     }
     async with kazma(tmp_path, scripts) as (app, fake):
@@ -555,13 +553,7 @@ async def test_a_step_for_an_agent_the_configuration_no_longer_has_fails_and_the
     # A plan outlives its configuration: restarted without the validator, its step was still posted as
     # "@validator …", no agent took it, the lead ran a turn on the post as if the lead itself had asked something,
     # and the step stayed in progress for good (the plan with it).
-    plan = {
-        "goal": "deploy",
-        "steps": [
-            {"index": 1, "title": "region", "assignee": "user", "input": "Which region?"},
-            {"index": 2, "title": "check", "assignee": "validator", "input": "Check it is up."},
-        ],
-    }
+    plan = plan_of("deploy", ("region", "user", "Which region?"), ("check", "validator", "Check it is up."))
     first: dict[str, list[ScriptStep]] = {"kazma": [call("write_plan", plan), ModelReply(content="Planned.")]}
     async with kazma(tmp_path, first) as (_app, fake):
         fake.push_message(CHAT, ALICE, "@kazma deploy it", username="alice")
@@ -592,10 +584,7 @@ pipelines: {}
 async def test_aborting_a_plan_stops_its_running_step_and_its_card_no_longer_runs_anything(tmp_path: Path) -> None:
     # "Plan aborted" was said while the running step went on: its approval card stayed open, and approving it
     # after the abort wrote the file, the step's turn finished and its result was recorded as done.
-    plan = {
-        "goal": "ship",
-        "steps": [{"index": 1, "title": "write", "assignee": "builder", "input": "Write the notes."}],
-    }
+    plan = plan_of("ship", ("write", "builder", "Write the notes."))
     scripts: dict[str, list[ScriptStep]] = {
         "kazma": [
             call("write_plan", plan),

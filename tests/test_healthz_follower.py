@@ -349,69 +349,60 @@ async def test_a_new_leader_opening_its_gateway_says_opening_not_closed_on_every
     says "opening", counted down as a connection not open is, and "open" once it is."""
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
     monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
-    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
-    async with three_fakes() as fakes:
-        fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press on either replica
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x:
-            await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
-            async with (
-                replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
-                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
-                served(a, tmp_path / "a") as a_url,
-                served(b, tmp_path / "b") as b_url,
-            ):
-                fakes.discord.gateway_open.clear()  # the new leader's gateway waits here, opening
-                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
-                assert a.replication is not None
-                assert b.replication is not None
-                ra, rb = a.replication, b.replication
-                await until(lambda: _true(ra.is_leader or rb.is_leader))
-                (new, new_url), follower_url = ((a, a_url), b_url) if ra.is_leader else ((b, b_url), a_url)
-                assert new.replication is not None
-                holder = new.replication.replica
-                assert isinstance(new.stores.pg, PgStore)
-                tables = tables_of(new.stores.pg)
+    two = _replicas_a_and_b_while_x_holds_the_lock(tmp_path, pg_dsn, monkeypatch)
+    async with two as (fakes, x, a, a_url, b, b_url):
+        fakes.discord.gateway_open.clear()  # the new leader's gateway waits here, opening
+        await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+        assert a.replication is not None
+        assert b.replication is not None
+        ra, rb = a.replication, b.replication
+        await until(lambda: _true(ra.is_leader or rb.is_leader))
+        (new, new_url), follower_url = ((a, a_url), b_url) if ra.is_leader else ((b, b_url), a_url)
+        assert new.replication is not None
+        holder = new.replication.replica
+        assert isinstance(new.stores.pg, PgStore)
+        tables = tables_of(new.stores.pg)
 
-                async def recorded() -> list[tuple[str, str]]:
-                    rows = await tables.all(
-                        "SELECT state, detail FROM leader_inbound WHERE platform = 'discord' AND replica = ?",
-                        (holder,),
-                    )
-                    return [tuple(r) for r in rows]
+        async def recorded() -> list[tuple[str, str]]:
+            rows = await tables.all(
+                "SELECT state, detail FROM leader_inbound WHERE platform = 'discord' AND replica = ?",
+                (holder,),
+            )
+            return [tuple(r) for r in rows]
 
-                # The first record the new leader makes of Discord, and every one while the gateway is held.
-                await until(lambda: _not_empty(recorded()))
-                assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
-                opening = rf"platform discord: leader {holder}: inbound connection opening since {SINCE}"
-                status, lines = await healthz(follower_url)
-                assert re.fullmatch(opening, line_of(lines, "discord")), lines
-                _, lines = await healthz(new_url)
-                mine = rf"platform discord: inbound connection opening since {SINCE}"
-                assert re.fullmatch(mine, line_of(lines, "discord")), lines
+        # The first record the new leader makes of Discord, and every one while the gateway is held.
+        await until(lambda: _not_empty(recorded()))
+        assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
+        opening = rf"platform discord: leader {holder}: inbound connection opening since {SINCE}"
+        status, lines = await healthz(follower_url)
+        assert re.fullmatch(opening, line_of(lines, "discord")), lines
+        _, lines = await healthz(new_url)
+        mine = rf"platform discord: inbound connection opening since {SINCE}"
+        assert re.fullmatch(mine, line_of(lines, "discord")), lines
 
-                # Down, yet Telegram's polling (opened meanwhile) takes presses: 200 on both.
-                telegram = rf"platform telegram: serving through the leader \({holder}\): inbound open since {SINCE}"
+        # Down, yet Telegram's polling (opened meanwhile) takes presses: 200 on both.
+        telegram = rf"platform telegram: serving through the leader \({holder}\): inbound open since {SINCE}"
 
-                async def follower_says_telegram_open() -> bool:
-                    return re.fullmatch(telegram, line_of((await healthz(follower_url))[1], "telegram")) is not None
+        async def follower_says_telegram_open() -> bool:
+            return re.fullmatch(telegram, line_of((await healthz(follower_url))[1], "telegram")) is not None
 
-                await until(follower_says_telegram_open)
-                for url in (follower_url, new_url):
-                    status, lines = await healthz(url)
-                    assert (status, lines[0]) == (200, "ok"), lines
-                    assert " opening since " in line_of(lines, "discord"), lines
-                looks = _count_looks(new.replication, monkeypatch)
-                await until(lambda: _true(looks[0] >= 5))  # five more looks with the gateway still held
-                assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
+        await until(follower_says_telegram_open)
+        for url in (follower_url, new_url):
+            status, lines = await healthz(url)
+            assert (status, lines[0]) == (200, "ok"), lines
+            assert " opening since " in line_of(lines, "discord"), lines
+        looks = _count_looks(new.replication, monkeypatch)
+        await until(lambda: _true(looks[0] >= 5))  # five more looks with the gateway still held
+        assert [state for state, _ in await recorded()] == [bus.INBOUND_OPENING], await recorded()
 
-                fakes.discord.gateway_open.set()
-                opened = rf"platform discord: serving through the leader \({holder}\): inbound open since {SINCE}"
+        fakes.discord.gateway_open.set()
+        opened = rf"platform discord: serving through the leader \({holder}\): inbound open since {SINCE}"
 
-                async def follower_says_open() -> bool:
-                    return re.fullmatch(opened, line_of((await healthz(follower_url))[1], "discord")) is not None
+        async def follower_says_open() -> bool:
+            return re.fullmatch(opened, line_of((await healthz(follower_url))[1], "discord")) is not None
 
-                await until(follower_says_open)
-                assert line_of((await healthz(new_url))[1], "discord") == "platform discord: serving"
+        await until(follower_says_open)
+        assert line_of((await healthz(new_url))[1], "discord") == "platform discord: serving"
 
 
 async def _not_empty(rows: Awaitable[list[T]]) -> bool:
@@ -449,6 +440,26 @@ async def _replica_a_while_x_holds_the_lock(
             replication = a.replication
             assert replication is not None
             yield x, replication, url
+
+
+@contextlib.asynccontextmanager
+async def _replicas_a_and_b_while_x_holds_the_lock(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Fakes, psycopg.AsyncConnection[Any], App, str, App, str]]:
+    """Replicas a and b, served, started while a connection "x" holds the leader's lock and Slack takes no press on
+    either: yields the fakes, x, a and its URL, b and its URL; x unlocks when the test is ready for one to lead."""
+    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
+    async with three_fakes() as fakes:
+        fakes.slack.fail("auth.test", "500", times=1_000_000)
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x:
+            await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
+            async with (
+                replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
+                served(a, tmp_path / "a") as a_url,
+                served(b, tmp_path / "b") as b_url,
+            ):
+                yield fakes, x, a, a_url, b, b_url
 
 
 async def test_a_replica_that_took_the_lease_before_its_duties_start_says_so_of_itself(
@@ -506,49 +517,40 @@ async def test_the_other_replicas_say_a_replica_waiting_out_the_grace_is_opening
     holds the lock, and the others say so, counted down."""
     slow = LeaseTiming(check_interval=30.0, check_timeout=0.3, retry_interval=0.1, server_drop_after=60.0)
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, slow)
-    name = leader.LeaderLease.APPLICATION_PREFIX + "x"
-    async with three_fakes() as fakes:
-        fakes.slack.fail("auth.test", "500", times=1_000_000)  # Slack takes no press on either replica
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, application_name=name) as x:
-            await x.execute("SELECT pg_advisory_lock(%s)", (leader.lock_key("kazma"),))  # "x" leads at first
-            async with (
-                replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
-                replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b,
-                served(a, tmp_path / "a") as a_url,
-                served(b, tmp_path / "b") as b_url,
-            ):
-                assert a.replication is not None
-                assert b.replication is not None
-                ra, rb = a.replication, b.replication
-                await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
+    two = _replicas_a_and_b_while_x_holds_the_lock(tmp_path, pg_dsn, monkeypatch)
+    async with two as (_fakes, x, a, a_url, b, b_url):
+        assert a.replication is not None
+        assert b.replication is not None
+        ra, rb = a.replication, b.replication
+        await x.execute("SELECT pg_advisory_unlock(%s)", (leader.lock_key("kazma"),))
 
-                async def lock_taken() -> bool:
-                    lines = (await healthz(a_url))[1]
-                    return "lease held by a" in lines or "lease held by b" in lines
+        async def lock_taken() -> bool:
+            lines = (await healthz(a_url))[1]
+            return "lease held by a" in lines or "lease held by b" in lines
 
-                await until(lock_taken)
-                holder, other_url = ("a", b_url) if "lease held by a" in (await healthz(a_url))[1] else ("b", a_url)
-                assert not ra.is_leader  # the grace (30 s here) is still being waited out
-                assert not rb.is_leader
+        await until(lock_taken)
+        holder, other_url = ("a", b_url) if "lease held by a" in (await healthz(a_url))[1] else ("b", a_url)
+        assert not ra.is_leader  # the grace (30 s here) is still being waited out
+        assert not rb.is_leader
 
-                assert isinstance(a.stores.pg, PgStore)
-                tables = tables_of(a.stores.pg)
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
 
-                async def holder_recorded() -> bool:
-                    return bool(await tables.all("SELECT 1 FROM leader_inbound WHERE replica = ?", (holder,)))
+        async def holder_recorded() -> bool:
+            return bool(await tables.all("SELECT 1 FROM leader_inbound WHERE replica = ?", (holder,)))
 
-                # Within the grace (30 s here); before, the holder recorded nothing until it led.
-                await until(holder_recorded, timeout=10.0)
-                status, lines = await healthz(other_url)
-                assert not ra.is_leader, lines
-                assert not rb.is_leader, lines
-                for platform in ("telegram", "discord"):
-                    assert re.fullmatch(
-                        rf"platform {platform}: leader {holder}: inbound connection opening since {SINCE}"
-                        rf" \({re.escape(bus.TOOK_THE_LEASE)}\)",
-                        line_of(lines, platform),
-                    ), lines
-                assert (status, lines[0]) == (503, STRANDED), lines
+        # Within the grace (30 s here); before, the holder recorded nothing until it led.
+        await until(holder_recorded, timeout=10.0)
+        status, lines = await healthz(other_url)
+        assert not ra.is_leader, lines
+        assert not rb.is_leader, lines
+        for platform in ("telegram", "discord"):
+            assert re.fullmatch(
+                rf"platform {platform}: leader {holder}: inbound connection opening since {SINCE}"
+                rf" \({re.escape(bus.TOOK_THE_LEASE)}\)",
+                line_of(lines, platform),
+            ), lines
+        assert (status, lines[0]) == (503, STRANDED), lines
 
 
 @contextlib.asynccontextmanager
@@ -641,6 +643,21 @@ async def _states(rows: Awaitable[list[tuple[str, str, float]]], state: str) -> 
     return [s for s, _, _ in await rows] == [state]
 
 
+@contextlib.asynccontextmanager
+async def _replica_a_served_and_an_admin(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[App, str, psycopg.AsyncConnection[Any]]]:
+    """Replica a, served, and a connection of the test's own to its database: yields a, its URL and that
+    connection (to change the database under it)."""
+    async with (
+        three_fakes() as fakes,
+        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
+        served(a, tmp_path / "a") as url,
+        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
+    ):
+        yield a, url, admin
+
+
 async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
     tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -648,12 +665,7 @@ async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
     naming a hot standby after a failover, default_transaction_read_only) had every replica answer 200 "ok" while
     no press could record its decision."""
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
-    async with (
-        three_fakes() as fakes,
-        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
-        served(a, tmp_path / "a") as url,
-        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
-    ):
+    async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
         status, lines = await healthz(url)
         assert (status, lines[0]) == (200, "ok"), lines
         assert "store reachable" in lines, lines
@@ -700,12 +712,7 @@ async def test_a_writer_whose_own_session_refuses_writes_is_503_and_writes_again
     kept its read-only session (a refused write leaves the connection open) and refused every write for good,
     /healthz still "ok", until a restart."""
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
-    async with (
-        three_fakes() as fakes,
-        replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a,
-        served(a, tmp_path / "a") as url,
-        await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as admin,
-    ):
+    async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
         store = a.stores.pg
         assert isinstance(store, PgStore)
         tables = tables_of(store)

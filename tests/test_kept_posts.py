@@ -102,6 +102,46 @@ def _cards_on(fakes: Fakes, platform: str) -> list[str]:
     return [str(m["embeds"]) for m in fakes.discord.channel_messages(HOME_CHANNEL_ID) if m.get("embeds")]
 
 
+async def _approve_from_telegram(app: App, request_id: str) -> None:
+    """The Telegram admin approves ``request_id``, and that decision is the one that counts."""
+    decided = await app.service.decide(request_id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}", platform="telegram")
+    assert decided.won
+
+
+async def _tried_by_another_replica(app: App, request_id: str, platform: str, error: str, *, due_in: float) -> None:
+    """Another replica on ``app``'s store tried ``request_id``'s kept post on ``platform``: it recorded ``error``
+    and the post is due again ``due_in`` seconds on."""
+    outbox = _outbox(app)
+    other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
+    row = await other.tables.one(
+        "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (request_id, platform)
+    )
+    await other.retry_later(PostJob(int(row[0]), request_id, platform, int(row[1])), due_in, error)
+
+
+def _reset_the_token_once_a_card_lands(fakes: Fakes) -> str:
+    """Discord makes the next card on the home channel yet answers 500, and the bot token is reset before
+    discord.py's own retry of the post (which meets 401): returns the token Discord took until then."""
+    token = fakes.discord.token
+
+    def reset() -> None:
+        fakes.discord.token = "reset-in-the-developer-portal"
+
+    fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+    return token
+
+
+async def _restarted_until_the_discord_cards_are_settled(fakes: Fakes, store: Path, request_id: str) -> None:
+    """Kazma starts again on ``store`` and runs until ``request_id`` has a card on Discord and every one is settled."""
+    async with kazma_on(fakes, store) as app:
+
+        async def settled() -> bool:
+            cards = [c for c in await app.service.store.cards(request_id) if c.platform == "discord"]
+            return bool(cards) and all(c.settled_at for c in cards)
+
+        await _until(settled)
+
+
 @pytest.mark.parametrize("platform", ["slack", "discord"])
 async def test_a_card_kept_while_the_token_was_refused_lands_after_the_restart_as_its_first_post(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, platform: str
@@ -156,9 +196,7 @@ async def test_a_kept_post_whose_request_was_decided_meanwhile_is_dropped_quietl
             await _refuse(fakes, platform)
             request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
             await _kept(app, request.id, platform)
-            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                               platform="telegram")  # fmt: skip
-            assert decided.won
+            await _approve_from_telegram(app, request.id)
         _heal(fakes, platform, token)
         unsettled = failure_count("card_maybe_unsettled", platform)
         async with kazma_on(fakes, store) as app:
@@ -194,9 +232,7 @@ async def test_an_edit_kept_while_the_token_was_refused_is_not_tried_until_the_r
 
             await _until(everywhere)
             await _refuse(fakes, platform)
-            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                               platform="telegram")  # fmt: skip
-            assert decided.won
+            await _approve_from_telegram(app, request.id)
 
             async def others_settled() -> bool:
                 cards = await app.service.store.cards(request.id)
@@ -240,9 +276,7 @@ async def test_a_card_post_and_edit_telegram_refuses_with_401_are_kept_and_land_
         assert REPOSTED.split(":")[0] not in fakes.card_text("telegram")
 
         fakes.telegram.script("editMessageText", Fault.server_error(401, "Unauthorized"))
-        decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                           platform="telegram")  # fmt: skip
-        assert decided.won
+        await _approve_from_telegram(app, request.id)
 
         async def settled() -> bool:
             return all(c.settled_at for c in await app.service.store.cards(request.id))
@@ -263,29 +297,16 @@ async def test_a_discord_card_that_landed_before_discord_py_s_retry_met_a_401_is
     that may have landed is no "nothing done": the restart finds the card by its nonce and edits it."""
     store = tmp_path / "k.db"
     async with three_fakes() as fakes:
-        token = fakes.discord.token
-
-        def reset() -> None:
-            fakes.discord.token = "reset-in-the-developer-portal"
-
-        fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+        token = _reset_the_token_once_a_card_lands(fakes)
         async with kazma_on(fakes, store) as app:
             request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
             assert await _kept(app, request.id, "discord") == 1  # the try that may have landed, counted
             assert fakes.has_buttons("discord")  # it did land, unrecorded
-            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                               platform="telegram")  # fmt: skip
-            assert decided.won
+            await _approve_from_telegram(app, request.id)
         posts = fakes.discord.calls_to("POST", rf"/channels/{HOME_CHANNEL_ID}/messages")
         assert [c.status for c in posts] == [500, 401]  # discord.py's own retry, refused
         _heal(fakes, "discord", token)
-        async with kazma_on(fakes, store) as app:
-
-            async def settled() -> bool:
-                cards = [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]
-                return bool(cards) and all(c.settled_at for c in cards)
-
-            await _until(settled)
+        await _restarted_until_the_discord_cards_are_settled(fakes, store, request.id)
         assert len(_cards_on(fakes, "discord")) == 1  # the first message, given back by its nonce
         assert not fakes.has_buttons("discord")
         assert "APPROVED" in fakes.card_text("discord")
@@ -302,18 +323,11 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
     is tried again later: falling back to the nonce then made the second card all the same."""
     store = tmp_path / "k.db"
     async with three_fakes() as fakes:
-        token = fakes.discord.token
-
-        def reset() -> None:
-            fakes.discord.token = "reset-in-the-developer-portal"
-
-        fakes.discord.inject_fault("POST", rf"/channels/{HOME_CHANNEL_ID}/messages", "500-landed", after=reset)
+        token = _reset_the_token_once_a_card_lands(fakes)
         async with kazma_on(fakes, store) as app:
             request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
             assert await _kept(app, request.id, "discord") == 1
-            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                               platform="telegram")  # fmt: skip
-            assert decided.won
+            await _approve_from_telegram(app, request.id)
         _heal(fakes, "discord", token)
         if history == "refused":
             fakes.discord.history_readable = False
@@ -321,13 +335,7 @@ async def test_a_discord_card_whose_nonce_discord_forgot_by_the_restart_is_found
             monkeypatch.setattr(fake_discord, "NONCE_SECONDS", 0.0)  # the restart came later than Discord keeps it
         if history == "failing":  # more 503s than discord.py's own retries of one read
             fakes.discord.inject_fault("GET", rf"/channels/{HOME_CHANNEL_ID}/messages", "503", times=6)
-        async with kazma_on(fakes, store) as app:
-
-            async def settled() -> bool:
-                cards = [c for c in await app.service.store.cards(request.id) if c.platform == "discord"]
-                return bool(cards) and all(c.settled_at for c in cards)
-
-            await _until(settled)
+        await _restarted_until_the_discord_cards_are_settled(fakes, store, request.id)
         assert len(_cards_on(fakes, "discord")) == 1  # the first message, found
         assert not fakes.has_buttons("discord")
         assert "APPROVED" in fakes.card_text("discord")
@@ -374,14 +382,9 @@ async def test_a_replica_with_a_refused_token_does_not_overwrite_a_newer_error_a
         await _refuse(fakes, "slack")
         request = await app.service.open("shell", ARGS, "agent:builder", "telegram:-1001", durable=True)
         await _kept(app, request.id, "slack")
-        outbox = _outbox(app)
-        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
-        row = await other.tables.one(
-            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (request.id, "slack")
-        )
-        job = PostJob(int(row[0]), request.id, "slack", int(row[1]))
         newer = "slack card_post: HTTP 503 (service_unavailable)"
-        await other.retry_later(job, 0.0, newer)  # the other replica's try, answered 503, due again at once
+        await _tried_by_another_replica(app, request.id, "slack", newer, due_in=0.0)  # answered 503, due at once
+        outbox = _outbox(app)
         await _worker_rounds(app, "slack", monkeypatch, 5)
         said = [e for r, p, _, e in await outbox.pending() if r == request.id and p == "slack"]
         assert said == [newer]
@@ -400,14 +403,9 @@ async def test_a_replica_whose_telegram_token_is_refused_does_not_overwrite_a_ne
         first, second = (await _four_opened(app))[:2]
         for request in (first, second):
             await _kept(app, request.id, "telegram")
-        outbox = _outbox(app)
-        other = Outbox(outbox.tables, clock=outbox.clock, replica="other")
-        row = await other.tables.one(
-            "SELECT id, attempts FROM card_outbox WHERE request_id = ? AND platform = ?", (second.id, "telegram")
-        )
-        job = PostJob(int(row[0]), second.id, "telegram", int(row[1]))
         newer = "telegram card_post: HTTP 502 (Bad Gateway)"
-        await other.retry_later(job, 1000.0, newer)  # the other replica's try, answered 502, due again much later
+        await _tried_by_another_replica(app, second.id, "telegram", newer, due_in=1000.0)  # 502, due much later
+        outbox = _outbox(app)
         tried = len(fakes.telegram.calls_to("sendMessage"))
 
         async def refused_again() -> bool:  # this replica's own tries of the posts still due here, each a 401
@@ -516,9 +514,7 @@ async def test_a_telegram_401_on_one_card_edit_holds_the_other_edits_untried(
         fakes.telegram.token = "revoked-at-botfather"
         failed = failure_count("card_settle", "telegram")
         for request in requests:
-            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"telegram:{TG_ADMIN}",
-                                               platform="telegram")  # fmt: skip
-            assert decided.won
+            await _approve_from_telegram(app, request.id)
 
         async def each_failed() -> bool:
             # ... and the bus is done with each decision's edit (its refusal handled, not only counted)

@@ -19,7 +19,7 @@ import mcp
 
 from kazma.bot.cli.mcp_stdio import asker, serve_checked, wire_server
 from kazma.bot.console.mcp_tool import Asked, build_server
-from tests.api_support import REPO, REQUESTER_TOKEN, Door, kazma_door
+from tests.api_support import REPO, REQUESTER_TOKEN, Door, first_answer_withheld, kazma_door
 
 WITHIN = 30
 
@@ -50,13 +50,27 @@ class Client:
         return found
 
 
-@asynccontextmanager
-async def stdio_door(door: Door) -> AsyncIterator[Client]:
-    """The stdio door forwarding to ``door``, serving over two pipes until the client closes its end."""
+@dataclass
+class Piped:
+    """A stdio door serving over two pipes, and the client at their other ends; whoever starts it closes them."""
+
+    client: Client
+    serving: asyncio.Task[bool]  # the door: what serve_checked returns
+    lines: anyio.AsyncFile[bytes]  # the door's end of its stdin
+    out: anyio.AsyncFile[str]  # the door's end of its stdout
+    transport: asyncio.ReadTransport  # the client's reading of the door's stdout
+
+
+async def piped_door(door: Door, *, watch_stdout: bool = False) -> Piped:
+    """The stdio door forwarding to ``door``, started serving over two pipes. ``watch_stdout``: its asker is given
+    the door's stdout, as ``kazma mcp serve`` gives it a copy, to tell a client that no longer reads it."""
     lines_read, lines_written = os.pipe()
     out_read, out_written = os.pipe()
-    ask = asker(door.url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
-    lines = anyio.wrap_file(open(lines_read, "rb"))  # noqa: SIM115 - closed as the door ends
+    answers_wire = out_written if watch_stdout else -1
+    ask = asker(
+        door.url, REQUESTER_TOKEN, wire=-1, answers_wire=answers_wire, interrupted=asyncio.Event(), asking=set()
+    )
+    lines = anyio.wrap_file(open(lines_read, "rb"))  # noqa: SIM115 - closed by whoever started the door
     out = anyio.wrap_file(open(out_written, "w", encoding="utf-8"))  # noqa: SIM115
     serving = asyncio.create_task(serve_checked(build_server(ask), lines, out))
     from_door = asyncio.StreamReader()
@@ -65,17 +79,24 @@ async def stdio_door(door: Door) -> AsyncIterator[Client]:
         open(out_read, "rb"),  # noqa: SIM115
     )
     client = Client(open(lines_written, "w", encoding="utf-8"), from_door)  # noqa: SIM115
+    return Piped(client, serving, lines, out, transport)
+
+
+@asynccontextmanager
+async def stdio_door(door: Door) -> AsyncIterator[Client]:
+    """The stdio door forwarding to ``door``, serving over two pipes until the client closes its end."""
+    piped = await piped_door(door)
     try:
-        yield client
+        yield piped.client
     finally:
-        client.to_door.close()  # EOF: the door ends (a call still open is cancelled)
+        piped.client.to_door.close()  # EOF: the door ends (a call still open is cancelled)
         try:
             with anyio.fail_after(WITHIN):
-                await serving
+                await piped.serving
         finally:
-            await out.aclose()
-            await lines.aclose()
-            transport.close()
+            await piped.out.aclose()
+            await piped.lines.aclose()
+            piped.transport.close()
 
 
 async def test_attack_a_line_naming_a_member_twice_is_refused_and_every_other_passes_in_order(tmp_path: Path) -> None:
@@ -579,20 +600,8 @@ async def test_attack_a_client_that_stops_reading_stdout_is_gone_and_what_it_ask
         '{"tool":"deploy","arguments":{"n":1},"deadline_seconds":60}}}'
     )
     async with kazma_door(tmp_path) as door:
-        lines_read, lines_written = os.pipe()
-        out_read, out_written = os.pipe()
-        ask = asker(
-            door.url, REQUESTER_TOKEN, wire=-1, answers_wire=out_written, interrupted=asyncio.Event(), asking=set()
-        )
-        lines = anyio.wrap_file(open(lines_read, "rb"))  # noqa: SIM115 - closed as the test ends
-        out = anyio.wrap_file(open(out_written, "w", encoding="utf-8"))  # noqa: SIM115
-        serving = asyncio.create_task(serve_checked(build_server(ask), lines, out))
-        from_door = asyncio.StreamReader()
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(from_door),
-            open(out_read, "rb"),  # noqa: SIM115
-        )
-        client = Client(open(lines_written, "w", encoding="utf-8"), from_door)  # noqa: SIM115
+        piped = await piped_door(door, watch_stdout=True)
+        client, serving, transport = piped.client, piped.serving, piped.transport
         try:
             await client.initialise()
             client.send(call)
@@ -613,8 +622,8 @@ async def test_attack_a_client_that_stops_reading_stdout_is_gone_and_what_it_ask
                 serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
             with contextlib.suppress(BrokenPipeError):  # the answer the client never read is still buffered
-                await out.aclose()
-            await lines.aclose()
+                await piped.out.aclose()
+            await piped.lines.aclose()
             transport.close()
 
 
@@ -639,38 +648,6 @@ async def test_attack_a_line_too_long_with_more_members_than_read_is_answered_ev
         assert answered[0]["error"]["message"].startswith("the line is longer than the 256 KiB"), answered[0]
 
 
-@asynccontextmanager
-async def answers_held(upstream: str) -> AsyncIterator[tuple[str, asyncio.Event]]:
-    """A proxy before ``upstream`` (http://host:port) that passes requests on at once and holds every answer back
-    until its event is set: a request Kazma has acted on whose answer has not come back yet."""
-    release = asyncio.Event()
-    host, _, port = upstream.removeprefix("http://").rpartition(":")
-    pipes: set[asyncio.Task[None]] = set()
-
-    async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, held: bool) -> None:
-        with contextlib.suppress(ConnectionError):
-            while chunk := await source.read(65536):
-                if held:
-                    await release.wait()
-                sink.write(chunk)
-                await sink.drain()
-        sink.close()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(host, int(port))
-        for task in (pipe(reader, up_writer, False), pipe(up_reader, writer, True)):
-            pipes.add(asyncio.create_task(task))
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", release
-    finally:
-        server.close()
-        for task in pipes:
-            task.cancel()
-        await asyncio.gather(*pipes, return_exceptions=True)
-
-
 async def test_attack_a_call_cancelled_while_its_open_is_on_the_way_is_withdrawn_once_the_open_answers(
     tmp_path: Path,
 ) -> None:
@@ -678,8 +655,9 @@ async def test_attack_a_call_cancelled_while_its_open_is_on_the_way_is_withdrawn
     back: the id never reached the door, which withdrew nothing, and the request stayed pending with its cards out
     (under load in CI: a request_approval sent as stdin closed). The open's answer is awaited, bounded, and what
     it opened is withdrawn."""
-    async with kazma_door(tmp_path) as door, answers_held(door.url) as (url, release):
-        ask = asker(url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
+    release = asyncio.Event()
+    async with kazma_door(tmp_path) as door, first_answer_withheld(door.url, release=release) as proxy:
+        ask = asker(proxy.url, REQUESTER_TOKEN, wire=-1, interrupted=asyncio.Event(), asking=set())
         call = asyncio.ensure_future(ask(Asked("deploy", {"env": "prod"}, "", 60, None)))
         with anyio.fail_after(WITHIN):
             while not await door.app.service.store.requests(pending_only=True):

@@ -193,10 +193,9 @@ def _interrupted(
             sys.exit(EXIT_INTERRUPTED)
         again = _reopened(client, body)
         if again is None:
-            ends = "once nobody asks about it (90 s)" if wait else "at its deadline"
             click.echo(
                 f"interrupted before Kazma answered, and Kazma could not be asked again: a request it opened "
-                f"(Idempotency-Key {key}) stays pending until {ends}",
+                f"(Idempotency-Key {key}) is not withdrawn; {_left_pending(wait)}",
                 err=True,
             )
             sys.exit(EXIT_INTERRUPTED)
@@ -206,9 +205,8 @@ def _interrupted(
         found = again
     after = _withdrawn(client, found["id"])
     if after is None:
-        ends = "withdraws it once nobody asks about it (90 s)" if wait else "keeps it pending until its deadline"
         click.echo(
-            f"interrupted; Kazma could not be told, so it {ends}: request {found['id']} "
+            f"interrupted; Kazma could not be told: request {found['id']} is not withdrawn; {_left_pending(wait)} "
             f"(DELETE /api/v1/approvals/{found['id']} withdraws it)",
             err=True,
         )
@@ -218,6 +216,12 @@ def _interrupted(
         said = f"interrupted; request {found['id']} was already {after['status']}, and nothing here acts on it"
         click.echo(said, err=True)
     sys.exit(EXIT_INTERRUPTED)
+
+
+def _left_pending(wait: bool) -> str:
+    """How long a request this invocation could not withdraw stays approvable: with ``--wait`` Kazma's grace for a
+    waiting asker that stopped asking ends it; without, nothing does before its deadline."""
+    return "Kazma withdraws it once nobody asks about it (90 s)" if wait else "it stays pending until its deadline"
 
 
 def _reopened(client: Any, body: dict[str, Any]) -> dict[str, Any] | None:
