@@ -250,6 +250,29 @@ async def test_a_transient_failure_runs_again_after_a_bounded_backoff_not_at_onc
         assert ex.retry_delay(1, 86_400.0) == MAX_RETRY_WAIT
 
 
+async def test_a_step_waiting_out_its_backoff_when_the_process_stops_runs_at_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        never = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await never.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1)))
+        assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        [waiting] = ex._waits.values()
+        waiting.cancel()  # the process stops during the wait
+    async with executor(path) as (ex, d):  # a new process
+        assert await ex.recover() == []
+        assert d.dispatched() == [(plan.id, 1)]
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.IN_PROGRESS
+        assert loaded.steps[1].attempts == 2
+
+
 async def test_dispatch_that_cannot_be_posted_is_a_failure_not_a_hang(store_engine: Engine) -> None:
     async with executor(store_engine.where) as (ex, d):
         d.fail_next = DispatchFailed("telegram answered 403", transient=False)
