@@ -169,6 +169,7 @@ class TurnResult:
     usage: Usage = field(default_factory=Usage)
     error: str | None = None
     transient: bool = False
+    retry_after: float | None = None  # a transient model error's own word on when to try again
     model: str = ""  # the model that answered last, as its server named it
     execution: ExecutionSummary = field(default_factory=ExecutionSummary)  # what the turn's tools did
 
@@ -370,6 +371,7 @@ class AgentRunner:
                 log.warning("agent.model_error", agent=agent.name, error=str(exc), permanent=exc.permanent)
                 result.error = f"the model could not answer: {exc}"
                 result.transient = not exc.permanent and not result.changed_state
+                result.retry_after = exc.retry_after
                 return
             result.usage = result.usage + reply.usage
             result.model = reply.model or agent.model or result.model

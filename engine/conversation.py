@@ -376,7 +376,11 @@ class Conversations:
             count_failure("step_turn")
             log.exception("plan.step_turn_failed", plan=dispatch.plan_id, step=dispatch.index, error=str(exc))
             result = TurnResult(text="", error=turn_failed_text(exc))
-        await self._post_result(message, worker, result)
+        transient = result.transient and not result.changed_state
+        if self.executor is None or not self.executor.will_retry(transient, dispatch.attempt):
+            # A failure the step is retried after is said once, with when it runs again, by the executor's notice:
+            # each attempt's "I could not finish" repeated the same words in the chat.
+            await self._post_result(message, worker, result)
         if self.executor is None:
             return
         outcome = StepResult(
@@ -384,7 +388,8 @@ class Conversations:
             summary=result.text[:SUMMARY_LIMIT],
             files=result.files_written,
             error=result.error or "",
-            transient=result.transient and not result.changed_state,
+            transient=transient,
+            retry_after=result.retry_after,
             model=result.model,
             tools=result.tools,
             usage=result.usage,

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final, Protocol
@@ -30,6 +30,7 @@ import structlog
 from pydantic import ValidationError
 
 from kazma.config import failpoints
+from kazma.config.backoff import Backoff
 from kazma.config.identity import platform_of
 from kazma.config.metrics import count_failure
 from kazma.config.store.backend import Tx
@@ -73,6 +74,7 @@ class StepResult:
     tools: tuple[ToolUse, ...] = ()  # the tools it called, with the approvals they ran under
     usage: Usage = field(default_factory=Usage)  # its tokens, and the cost its server reported
     execution: ExecutionSummary | None = None  # what its tools did: ran, did not run, may have run
+    retry_after: float | None = None  # a transient failure's own word on when to try again (a 429's Retry-After)
 
     def record(self) -> StepRecord:
         return StepRecord(model=self.model, tools=self.tools, usage=self.usage, execution=self.execution)
@@ -103,6 +105,10 @@ class Dispatcher(Protocol):
         ...
 
 
+# The wait before a step that failed for a passing reason runs again: a rate-limited model hit again at once fails
+# again, and each attempt is a post in the chat. A Retry-After longer than the backoff wins, up to the cap.
+RETRY_BACKOFF: Final = Backoff(base=5.0, cap=120.0)
+MAX_RETRY_WAIT: Final = 300.0
 MAX_STEP_ATTEMPTS: Final = 8  # runs of one step, retries by the lead included; then it is replaced, skipped or dropped
 
 
@@ -148,6 +154,11 @@ class PlanExecutor:
     # Failed steps the lead is being asked about: (plan, step) -> the step's attempt then. While one is, its plan
     # does not finish (the last step failing under ask_lead finished it at once, refusing the lead's repair).
     _deciding: dict[tuple[str, int], int] = field(default_factory=dict)
+    retry_backoff: Backoff | None = RETRY_BACKOFF  # None: a step runs again at once (the state machine's tests)
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the retry wait's (tests hold it on an event)
+    # Steps waiting out a transient failure's backoff: (plan, step) -> the task that moves the plan on after it.
+    # Kept in memory only: a process that stops meanwhile leaves the step pending, moved on at its next start.
+    _waits: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
 
     # -- starting and completing -----------------------------------------------------------------
 
@@ -346,6 +357,35 @@ class PlanExecutor:
             actions = await self._next_actions(plan_id)
         await self.perform(actions)
 
+    def will_retry(self, transient: bool, attempt: int) -> bool:
+        """Whether a failure of attempt ``attempt`` runs the step again (after a backoff) rather than ending it."""
+        return transient and attempt < self.max_attempts
+
+    def retry_delay(self, attempt: int, retry_after: float | None) -> float:
+        """The wait before attempt ``attempt + 1`` of a step whose attempt ``attempt`` failed for a passing reason."""
+        if self.retry_backoff is None:
+            return 0.0
+        return min(MAX_RETRY_WAIT, self.retry_backoff.delay(max(attempt - 1, 0), retry_after=retry_after))
+
+    def _wait_then_reconcile(self, plan_id: str, index: int, delay: float) -> None:
+        key = (plan_id, index)
+
+        async def wait() -> None:
+            try:
+                await self.sleep(delay)
+            finally:
+                if self._waits.get(key) is task:
+                    del self._waits[key]
+            try:
+                await self._reconcile(plan_id)
+            except Exception as exc:
+                # The plan stays idle with the step pending: the next completion, repair or start moves it on.
+                count_failure("plan_retry")
+                log.exception("plan.retry_failed", plan_id=plan_id, step=index, error=str(exc))
+
+        task = asyncio.get_running_loop().create_task(wait(), name=f"plan-retry-{plan_id}-{index}")
+        self._waits[key] = task
+
     async def _record(
         self, plan_id: str, index: int, result: StepResult, attempt: int | None
     ) -> tuple[bool, list[Action]]:
@@ -377,7 +417,7 @@ class PlanExecutor:
             if changed:
                 log.info("plan.step_done", plan_id=plan_id, step=index, files=len(result.files))
             return changed, []
-        if result.transient and step.attempts < self.max_attempts:
+        if self.will_retry(result.transient, step.attempts):
             changed = await self.store.set_status(
                 plan_id,
                 index,
@@ -387,8 +427,20 @@ class PlanExecutor:
                 failure_reason=result.error,
                 record=result.record(),
             )
-            log.warning("plan.step_retry", plan_id=plan_id, step=index, attempt=step.attempts, error=result.error)
-            return changed, []
+            if not changed:
+                return False, []
+            delay = self.retry_delay(step.attempts, result.retry_after)
+            log.warning("plan.step_retry", plan_id=plan_id, step=index, attempt=step.attempts, error=result.error,
+                        delay=round(delay, 3))  # fmt: skip
+            if delay > 0:
+                self._wait_then_reconcile(plan_id, index, delay)
+            error = " ".join((result.error or "failed").split())[:300]
+            when = f"in about {_seconds(delay)}" if delay > 0 else "now"
+            line = (
+                f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again {when} "
+                f"(attempt {step.attempts + 1} of {self.max_attempts})."
+            )
+            return True, [Action(ActionKind.NOTICE, plan, step, line)]
         reason = result.error or "failed"
         if result.execution is not None and result.execution.changed_state:
             reason = f"{reason} (tools: {result.execution.line()})"  # the lead hears what may have changed
@@ -454,6 +506,8 @@ class PlanExecutor:
         if not ready:
             return []
         step = ready[0]
+        if (plan_id, step.index) in self._waits:
+            return []  # it runs again when its backoff is over (one step at a time, in order)
         if step.spec.assignee == USER:
             return await self._ask_for_user_step(plan, step)
         if not await self.store.set_status(
@@ -882,6 +936,11 @@ def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:
         found |= nxt
         frontier = nxt
     return sorted(i for i in found if plan.steps[i].status is status)
+
+
+def _seconds(delay: float) -> str:
+    whole = max(1, round(delay))
+    return f"{whole} second{'s' * (whole != 1)}"
 
 
 def _failure_for_lead(index: int, reason: str) -> str:

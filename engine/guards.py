@@ -165,6 +165,8 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "model; a tool's output and error are fenced as one block before the reply",
     "conversation.py:Conversations._post_result": _PEOPLE,
     "conversation.py:Conversations._lead_says": _PEOPLE,
+    "executor.py:PlanExecutor._record": "the notice that a step failed for a passing reason and runs again, "
+    "with its error as the sub-agent's own failure line said it: " + _PEOPLE,
     "swarm/commands.py:_describe": _PEOPLE,
     "swarm/commands.py:call_line": _PEOPLE,
     "swarm/commands.py:_retry_risk": "the second ask before /swarm retry, to the person who typed it: " + _PEOPLE,

@@ -279,7 +279,9 @@ class OpenAIProvider:
                         permanent=False,
                         reason=reason,
                     )
-                    raise ModelError(message, permanent=False, status=failure.status) from None
+                    raise ModelError(
+                        message, permanent=False, status=failure.status, retry_after=failure.retry_after
+                    ) from None
                 if failure.retry_after is not None and failure.retry_after > _MAX_RETRY_AFTER_SECONDS:
                     message = (
                         f"the model server at {self._base_url} is rate limiting (model {name!r}) and asks to wait "
@@ -296,7 +298,9 @@ class OpenAIProvider:
                         reason=reason,
                         retry_after=failure.retry_after,
                     )
-                    raise ModelError(message, permanent=False, status=failure.status) from None
+                    raise ModelError(
+                        message, permanent=False, status=failure.status, retry_after=failure.retry_after
+                    ) from None
                 delay = failure.retry_after if failure.retry_after is not None else _BACKOFF.delay(attempt - 1)
                 log.warning(
                     "model.retry",

@@ -99,10 +99,13 @@ class ModelReply:
 class ModelError(Exception):
     """The model could not answer. ``permanent`` errors (bad key, unknown model) are not worth retrying."""
 
-    def __init__(self, message: str, *, permanent: bool, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, permanent: bool, status: int | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.status = status
+        self.retry_after = retry_after  # seconds the server asked to wait before trying again (a 429's Retry-After)
 
 
 class ModelProvider(Protocol):

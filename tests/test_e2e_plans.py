@@ -619,3 +619,42 @@ async def test_aborting_a_plan_stops_its_running_step_and_its_card_no_longer_run
         assert "tools: did not run" in reason
         found = list(app.conversations.runner.workspace_root.rglob("notes.txt"))
         assert not found
+
+
+async def test_a_rate_limited_step_runs_again_after_a_backoff_said_once_in_the_chat(tmp_path: Path) -> None:
+    # A 429 from the sub-agent's model was dispatched again at once: three "@builder …" posts and three "I could not
+    # finish: … 429" lines within milliseconds, the rate-limited model hit again each time, and the step failed.
+    def rate_limited(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("429 rate limited", permanent=False, status=429, retry_after=30.0)
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", DEPLOY_PLAN), ModelReply(content="Planned."), ModelReply(content="Done.")],
+        "builder": [rate_limited, ModelReply(content="Deployed.")],
+    }
+    waits: list[float] = []
+    released = asyncio.Event()
+
+    async def held(delay: float) -> None:  # the executor's retry wait, held until the test lets it end
+        waits.append(delay)
+        await released.wait()
+
+    async with kazma(tmp_path, scripts) as (app, fake):
+        app.executor.sleep = held
+        fake.push_message(CHAT, ALICE, "@kazma deploy", username="alice")
+        await said(fake, "Plan: step 1 (deploy) failed for a passing reason")
+        notice = next(t for t in texts(fake) if "failed for a passing reason" in t)
+        assert "429 rate limited" in notice
+        assert "runs again in about 30 seconds (attempt 2 of 3)" in notice
+        assert waits == [30.0]  # the model's Retry-After, longer than the first backoff
+        await app.conversations.drain()
+        assert len([t for t in texts(fake) if t.startswith("[kazma] @builder")]) == 1
+        assert not [t for t in texts(fake) if "I could not finish" in t]
+        assert (await last_plan(app)).steps[1].status is StepStatus.PENDING  # waits its turn, on disk
+        released.set()
+        await said(fake, "[builder] Deployed.")
+        await said(fake, "Done.")
+        loaded = await last_plan(app)
+        assert loaded.steps[1].status is StepStatus.DONE
+        assert loaded.steps[1].attempts == 2
+        dispatches = [t for t in texts(fake) if t.startswith("[kazma] @builder")]
+        assert len(dispatches) == 2

@@ -12,11 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazma.adapters.human_text import LABEL_PREFIX, for_humans, has_fence
+from kazma.config.backoff import Backoff
 from kazma.config.store.backend import StoreConnection
 from kazma.config.store.database import open_database
 from kazma.config.store.postgres import open_pg_store
 from kazma.engine.executor import (
     INTERRUPTED,
+    MAX_RETRY_WAIT,
     MAX_STEP_ATTEMPTS,
     Action,
     ActionKind,
@@ -100,7 +102,9 @@ async def executor(path: Path | str) -> AsyncIterator[tuple[PlanExecutor, Record
     store = PlanStore(conn)
     dispatcher = RecordingDispatcher(store)
     try:
-        yield PlanExecutor(store, dispatcher, lead_name="kazma", assignees=WORKERS), dispatcher
+        # No backoff before a transient failure's retry: these tests drive the state machine step by step.
+        ex = PlanExecutor(store, dispatcher, lead_name="kazma", assignees=WORKERS, retry_backoff=None)
+        yield ex, dispatcher
     finally:
         await conn.close()
 
@@ -210,6 +214,63 @@ async def test_transient_failures_retry_up_to_the_cap(store_engine: Engine) -> N
         assert loaded.steps[1].status is StepStatus.FAILED
         assert loaded.steps[1].attempts == 3
         assert d.dispatched() == [(plan.id, 1)] * 3
+
+
+async def test_a_transient_failure_runs_again_after_a_bounded_backoff_not_at_once(tmp_path: Path) -> None:
+    # It was dispatched again at once: a rate-limited model hit again within milliseconds, three times.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        waits: list[float] = []
+        released = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            waits.append(delay)
+            await released.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2)))
+        assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        await asyncio.sleep(0)  # the wait starts
+        assert waits == [5.0]
+        assert d.dispatched() == [(plan.id, 1)]  # not again yet, and step 2 does not jump ahead
+        notice = d.actions[-1]
+        assert notice.kind is ActionKind.NOTICE
+        assert notice.text == (
+            "Plan: step 1 (step 1) failed for a passing reason (HTTP 503); it runs again in about 5 seconds "
+            "(attempt 2 of 3)."
+        )
+        [waiting] = ex._waits.values()
+        released.set()
+        await asyncio.wait_for(waiting, timeout=10)
+        assert not ex._waits
+        assert d.dispatched() == [(plan.id, 1)] * 2
+        # A server's Retry-After wins when longer, bounded; the backoff grows with the attempts.
+        assert ex.retry_delay(2, None) == 10.0
+        assert ex.retry_delay(1, 30.0) == 30.0
+        assert ex.retry_delay(1, 86_400.0) == MAX_RETRY_WAIT
+
+
+async def test_a_step_waiting_out_its_backoff_when_the_process_stops_runs_at_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        never = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await never.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1)))
+        assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        [waiting] = ex._waits.values()
+        waiting.cancel()  # the process stops during the wait
+    async with executor(path) as (ex, d):  # a new process
+        assert await ex.recover() == []
+        assert d.dispatched() == [(plan.id, 1)]
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].status is StepStatus.IN_PROGRESS
+        assert loaded.steps[1].attempts == 2
 
 
 async def test_dispatch_that_cannot_be_posted_is_a_failure_not_a_hang(store_engine: Engine) -> None:

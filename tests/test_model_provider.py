@@ -301,6 +301,7 @@ async def test_429_asking_for_a_very_long_wait_is_reported_not_waited(
     assert caught.value.permanent is False
     assert caught.value.status == 429
     assert "3600 s" in str(caught.value)
+    assert caught.value.retry_after == 3600.0  # the plan's retry of the step waits for it (bounded there)
     assert len(fake.completions) == 1
     assert sleeps.delays == []
 

@@ -10,6 +10,7 @@ import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.swarm.calls import CallLimits
@@ -330,6 +331,15 @@ async def test_without_jitter_the_delays_are_the_capped_exponential() -> None:
     sleeps, script = Sleeps(), Script(fail(ErrorKind.TRANSIENT))
     await RetryPolicy(max_attempts=5, base=0.5, cap=2.0, jitter=False, sleep=sleeps).run(script)
     assert sleeps.delays == [0.5, 1.0, 2.0, 2.0]
+
+
+async def test_swarm_retry_is_logged_once_per_retry_not_after_the_last_attempt() -> None:
+    # It was logged after the final attempt too, announcing a retry that never came.
+    sleeps, script = Sleeps(), Script(fail(ErrorKind.TRANSIENT))
+    with capture_logs() as events:
+        await RetryPolicy(max_attempts=3, jitter=False, sleep=sleeps).run(script, worker="w")
+    retries = [e["attempt"] for e in events if e["event"] == "swarm.retry"]
+    assert (script.calls, len(sleeps.delays), retries) == (3, 2, [1, 2])
 
 
 async def test_a_transient_failure_then_success_returns_the_success() -> None:

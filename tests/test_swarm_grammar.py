@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner
+from pydantic import ValidationError
 
 from kazma.bot.cli.context import Context
 from kazma.bot.cli.swarm_cli import CLI_ONLY, swarm
@@ -40,7 +42,9 @@ from kazma.engine.swarm.grammar import (
     help_text,
     parse,
 )
+from kazma.engine.swarm.lead_tools import DispatchSwarmArgs
 from kazma.engine.swarm.limits import MAX_PROMPT_BYTES
+from kazma.engine.swarm.patterns import Aggregation
 from kazma.engine.swarm.roles import (
     SHARED_OPERATORS_HINT,
     RefusalReason,
@@ -215,8 +219,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("pipeline standard", "pipeline needs a preset or workers, and a task"),
     (
         "fanout",
-        "fanout needs workers and a task: /swarm fanout <w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize]"
-        " <task>",
+        "fanout needs workers and a task: /swarm fanout <w1,w2,…> [--strategy collect|first_valid|"
+        "merge_all|vote|best|synthesize] <task>",
     ),
     ("fanout builder,refiner", "fanout needs workers and a task"),
     ("consult", "consult needs workers and a question: /swarm consult <w1,w2,…> <question>"),
@@ -261,8 +265,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("pipeline builder,refiner, go", "has an empty name"),
     (
         "fanout builder,builder go",
-        "worker 'builder' is listed twice: /swarm fanout <w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize]"
-        " <task>",
+        "worker 'builder' is listed twice: /swarm fanout <w1,w2,…> [--strategy collect|first_valid|"
+        "merge_all|vote|best|synthesize] <task>",
     ),
     ("consult refiner,builder,refiner go", "worker 'refiner' is listed twice"),
     ("pipeline builder,Builder go", "worker 'builder' is listed twice"),
@@ -798,3 +802,39 @@ def test_cli_help_says_where_work_runs(args: list[str]) -> None:
 
 def test_cli_offers_every_subcommand() -> None:
     assert set(swarm.commands) == {*VERBS, *CLI_ONLY}
+
+
+def _accepted_by_chat(strategy: str) -> bool:
+    try:
+        p(f"fanout researcher,builder --strategy {strategy} go")
+    except GrammarError:
+        return False
+    return True
+
+
+def _accepted_by_cli(strategy: str) -> bool:
+    option = next(param for param in swarm.commands["fanout"].params if param.name == "strategy")
+    try:
+        option.type.convert(strategy, option, None)
+    except click.BadParameter:
+        return False
+    return True
+
+
+def _accepted_by_lead(strategy: str) -> bool:
+    try:
+        DispatchSwarmArgs.model_validate(
+            {"pattern": "fan_out", "task": "go", "workers": ["researcher", "builder"], "aggregation": strategy}
+        )
+    except ValidationError:
+        return False
+    return True
+
+
+def test_every_surface_accepts_the_same_strategies() -> None:
+    # The lead's dispatch_swarm took first_valid while `/swarm fanout --strategy first_valid` was refused as an
+    # unknown strategy (and the CLI's choice refused it too): the README says the options are the same everywhere.
+    candidates = [*(a.value for a in Aggregation), "nonsense", "first-valid"]
+    surfaces = {"chat": _accepted_by_chat, "cli": _accepted_by_cli, "lead": _accepted_by_lead}
+    accepted = {name: {c for c in candidates if ok(c)} for name, ok in surfaces.items()}
+    assert accepted == {name: {a.value for a in Aggregation} for name in surfaces}

@@ -31,7 +31,7 @@ from kazma.engine.swarm.owners import this_terminal
 from kazma.engine.swarm.records import task_json
 from kazma.engine.swarm.registry import for_verb, registered
 from kazma.engine.swarm.roles import authorize
-from kazma.engine.swarm.syntax import Access, GrammarError
+from kazma.engine.swarm.syntax import STRATEGIES, Access, GrammarError
 
 EXIT_USAGE = 2
 CLI_ONLY = ("show",)  # subcommands of the terminal alone (JSON for scripts), beside the /swarm grammar
@@ -396,7 +396,7 @@ def pipeline(
 @_start_options
 @click.option(
     "--strategy",
-    type=click.Choice(["collect", "merge_all", "vote", "best", "synthesize"]),
+    type=click.Choice(STRATEGIES),
     default=None,
     help="How the answers are aggregated (default collect).",
 )

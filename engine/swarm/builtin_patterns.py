@@ -15,7 +15,7 @@ from kazma.config.limits import MAX_WORKERS
 from kazma.engine.fence import Fenced
 from kazma.engine.swarm import patterns
 from kazma.engine.swarm.registry import PatternRun, SwarmPattern, register
-from kazma.engine.swarm.syntax import Arguments, RequestFields, StartCommand
+from kazma.engine.swarm.syntax import STRATEGIES, Arguments, RequestFields, StartCommand
 from kazma.engine.swarm.types import Pattern, SwarmRefused, SwarmRequest, TaskStatus, Worker, WorkerResult
 
 # -- dispatch: one worker, its fallbacks, handoffs ---------------------------------------------------------
@@ -185,7 +185,7 @@ async def _run_fan_out(run: PatternRun) -> patterns.SwarmOutcome:
 FAN_OUT = register(
     SwarmPattern(
         FanOutCommand,
-        arguments="<w1,w2,…> [--strategy collect|merge_all|vote|best|synthesize] <task>",
+        arguments=f"<w1,w2,…> [--strategy {'|'.join(STRATEGIES)}] <task>",
         needs="workers and a task",
         summary="run a task on several workers at once",
         parse=_parse_fanout,

@@ -31,7 +31,7 @@ class DispatchSwarmArgs(BaseModel):
         default_factory=list, description="worker names, or ['auto'] with dispatch; conditional: [router]"
     )
     preset: str | None = Field(default=None, description="a pipeline preset from kazma.yaml")
-    aggregation: Literal["collect", "merge_all", "vote", "best", "synthesize", "first_valid"] = "collect"
+    aggregation: Literal["collect", "first_valid", "merge_all", "vote", "best", "synthesize"] = "collect"
     routes: dict[str, str] = Field(
         default_factory=dict, description="conditional: branch name (1 to 32 of a-z 0-9 _ -) -> worker"
     )

@@ -297,8 +297,8 @@ class RetryPolicy:
             if result.ok or result.changed_state:
                 return result
             kind = _kind(result)
-            if kind is ErrorKind.PERMANENT:
-                return result
+            if kind is ErrorKind.PERMANENT or attempt == self.max_attempts:
+                return result  # (the last attempt's failure: no retry follows, none is logged)
             log.info(
                 "swarm.retry", worker=result.worker or worker, attempt=attempt, kind=kind.value, error=result.error
             )

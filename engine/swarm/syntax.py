@@ -13,11 +13,15 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import ClassVar, TypedDict
+from typing import ClassVar, Final, TypedDict
 
 from kazma.config.address import Address
 from kazma.config.limits import MAX_WORKERS
 from kazma.engine.swarm.limits import LimitExceeded, check_prompt
+
+# The fan-out aggregation strategies every surface accepts (chat, console, `kazma swarm`, the lead's
+# dispatch_swarm): one list, so that one surface cannot refuse what another runs (patterns.Aggregation).
+STRATEGIES: Final = ("collect", "first_valid", "merge_all", "vote", "best", "synthesize")
 
 AUTO = "auto"
 
@@ -199,8 +203,6 @@ class Arguments:
             raise self.fail(f"{shown(token)} is not a task id (4 to 32 letters, digits, '-' or '_')")
         return token
 
-    _STRATEGIES = ("collect", "merge_all", "vote", "best", "synthesize")
-
     def options(self, text: str, found: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
         """Take leading ``--name value`` pairs off ``text``; the rest is the task."""
         opts = dict(found or {})
@@ -228,8 +230,8 @@ class Arguments:
         return {"expect": expect, "deadline": seconds}
 
     def strategy(self, value: str) -> str:
-        if value.lower() not in self._STRATEGIES:
-            raise self.fail(f"unknown strategy {shown(value)} (strategies: {', '.join(self._STRATEGIES)})")
+        if value.lower() not in STRATEGIES:
+            raise self.fail(f"unknown strategy {shown(value)} (strategies: {', '.join(STRATEGIES)})")
         return value.lower()
 
     def route_map(self, token: str) -> tuple[tuple[str, str], ...]:
