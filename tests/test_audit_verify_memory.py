@@ -6,11 +6,23 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
 
+from kazma.approvals.audit_export import (
+    ExportError,
+    ExportFile,
+    checkpoint_record,
+    checkpoints_in_order,
+    event_record,
+    events_in_order,
+    line,
+    read_export,
+)
+from kazma.approvals.audit_verify import verify
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpoints import HEAD, Checkpoint
 from kazma.bot.cli import audit_cli, main
@@ -105,3 +117,58 @@ def test_verify_from_export_reads_the_file_line_by_line(big_log: Path, store_eng
     assert result.exit_code == 0, result.stdout
     assert f"ok: {EVENTS} events (seq 1..{EVENTS})" in result.stdout, result.stdout
     assert peak < BOUND, f"verify --from-export held {peak / 1e6:.1f} MB for {EVENTS} events"
+
+
+def _small() -> tuple[list[ChainedEvent], list[Checkpoint]]:
+    events = rechained(
+        [
+            ChainedEvent(0, None, "note", "telegram:111", "telegram", 1_700_000_000.0 + n, None, f"n{n}", None, None)
+            for n in range(10)
+        ]
+    )
+    heads = {e.seq: e.chain_hash or "" for e in events}
+    return events, [TEST_SIGNER.sign(HEAD, 1, 5, heads[5], 1.0), TEST_SIGNER.sign(HEAD, 6, 10, heads[10], 2.0)]
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param([*range(1, 11)], id="in-order"),
+        pytest.param([1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10], id="one-sent-twice-in-a-row"),
+        pytest.param([*range(1, 11), 8, 9, 10], id="a-batch-sent-again"),
+        pytest.param([1, 2, 3, 4, 5, 7, 6, 8, 9, 10], id="out-of-order"),
+        pytest.param([1, 2, 3, 4, 6, 7, 8, 9, 10], id="one-missing"),
+    ],
+)
+def test_a_file_read_line_by_line_reads_as_the_whole_file_read_at_once(order: list[int], tmp_path: Path) -> None:
+    """What a sink's receiver may have written (a record twice, a batch again, out of order): the events and the
+    report are those the whole file, read and sorted at once, gave."""
+    events, checkpoints = _small()
+    by_seq = {e.seq: e for e in events}
+    path = tmp_path / "sink.jsonl"
+    path.write_text(
+        "".join(line(event_record(by_seq[s])) for s in order) + "".join(line(checkpoint_record(c)) for c in checkpoints)
+    )
+    whole = read_export(path.read_bytes(), source=str(path))
+    streamed = ExportFile(path)
+    assert streamed.conflict is None
+    assert list(streamed) == events_in_order(whole)
+    assert streamed.anchored == whole.anchored
+    assert checkpoints_in_order(streamed) == checkpoints_in_order(whole)
+    keys = TEST_SIGNER.public_keys()
+    assert verify(streamed, checkpoints_in_order(streamed), keys, anchored=streamed.anchored, since=1) == verify(
+        events_in_order(whole), checkpoints_in_order(whole), keys, anchored=whole.anchored, since=1
+    )
+
+
+@pytest.mark.parametrize("later", [pytest.param(5, id="in-a-row"), pytest.param(11, id="after-the-rest")])
+def test_a_seq_given_twice_with_different_contents_is_refused_as_before(later: int, tmp_path: Path) -> None:
+    events, _ = _small()
+    changed = replace(events[4], detail="denied: no")
+    path = tmp_path / "sink.jsonl"
+    records = [line(event_record(e)) for e in events]
+    records.insert(later, line(event_record(changed)))
+    path.write_text("".join(records))
+    with pytest.raises(ExportError) as whole:
+        events_in_order(read_export(path.read_bytes(), source=str(path)))
+    assert str(ExportFile(path).conflict) == str(whole.value) == "seq 5 appears twice with different contents"
