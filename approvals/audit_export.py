@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
@@ -162,38 +163,114 @@ def read_export(text: str | bytes, *, source: str) -> Export:
     # text (a reason someone typed), cutting a record in two. A "\r" left at a line's end is JSON whitespace.
     lines: list[str | bytes] = [*(text.split(b"\n") if isinstance(text, bytes) else text.split("\n"))]
     for number, written in enumerate(lines, start=1):
-        where = f"{source}, line {number}"
-        raw = _decoded(written, where)
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw, object_pairs_hook=_once_each)
-        except _FieldTwice as exc:
-            raise ExportError(f"{where}: field {exc.name!r} given twice (no export writes one twice)") from None
-        except json.JSONDecodeError as exc:
-            raise ExportError(f"{where}: not JSON ({exc.msg})") from None
-        except RecursionError:  # arrays or objects nested deeper than any record: crafted, never written
-            raise ExportError(f"{where}: not a record (nested too deep)") from None
-        except ValueError:  # an integer of more digits than Python reads (int_max_str_digits)
-            raise ExportError(f"{where}: not a record (a number of more digits than any record holds)") from None
-        if not isinstance(record, dict):
-            raise ExportError(f"{where}: expected a JSON object")
-        kind = record.get("type")
-        try:
-            if kind == "event":
-                export.events.append(_event(record))
-            elif kind == "checkpoint":
-                export.checkpoints.append(_checkpoint(record))
-            elif kind == "header":
-                if record.get("format") != FORMAT:
-                    raise ExportError(f"format {_shown(record.get('format'))} is not {FORMAT!r}")
-                export.since = _int(record, "since")
-                export.key_ids = _key_ids(record.get("key_ids", []))
-            else:
-                raise ExportError(f"unknown record type {_shown(kind)}")
-        except (ExportError, KeyError, TypeError, ValueError) as exc:
-            raise ExportError(f"{where}: {exc}") from None
+        record = _record(written, f"{source}, line {number}")
+        if isinstance(record, ChainedEvent):
+            export.events.append(record)
+        elif isinstance(record, Checkpoint):
+            export.checkpoints.append(record)
+        elif record is not None:
+            export.since, export.key_ids = record
     return export
+
+
+def _record(written: str | bytes, where: str) -> ChainedEvent | Checkpoint | tuple[int, list[str]] | None:
+    """One line of an export: an event, a checkpoint, a header's (since, key_ids), or None for a blank line."""
+    raw = _decoded(written, where)
+    if not raw.strip():
+        return None
+    try:
+        record = json.loads(raw, object_pairs_hook=_once_each)
+    except _FieldTwice as exc:
+        raise ExportError(f"{where}: field {exc.name!r} given twice (no export writes one twice)") from None
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:  # arrays or objects nested deeper than any record: crafted, never written
+        raise ExportError(f"{where}: not a record (nested too deep)") from None
+    except ValueError:  # an integer of more digits than Python reads (int_max_str_digits)
+        raise ExportError(f"{where}: not a record (a number of more digits than any record holds)") from None
+    if not isinstance(record, dict):
+        raise ExportError(f"{where}: expected a JSON object")
+    kind = record.get("type")
+    try:
+        if kind == "event":
+            return _event(record)
+        if kind == "checkpoint":
+            return _checkpoint(record)
+        if kind == "header":
+            if record.get("format") != FORMAT:
+                raise ExportError(f"format {_shown(record.get('format'))} is not {FORMAT!r}")
+            return _int(record, "since"), _key_ids(record.get("key_ids", []))
+        raise ExportError(f"unknown record type {_shown(kind)}")
+    except (ExportError, KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"{where}: {exc}") from None
+
+
+class ExportFile:
+    """An export (or a sink's file) read from its file line by line, never whole: a first pass checks every line
+    (as :func:`read_export` does, the same errors) and keeps its header and checkpoints; iterating it reads the
+    events again, in sequence order, each time (:func:`~kazma.approvals.audit_verify.verify` may walk them twice).
+
+    A file whose events are not in sequence order (a receiver of a sink's redeliveries that appended them as they
+    came) is read whole instead, and sorted as :func:`events_in_order` does: only order needs the memory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.since: int | None = None
+        self.key_ids: list[str] = []
+        self.checkpoints: list[Checkpoint] = []
+        self.events = 0  # event records, a redelivered one counted each time
+        # What events_in_order says of a seq given twice with different contents: raised by the verifier, which
+        # alone reads the events (heads taken from the file need its checkpoints only).
+        self.conflict: ExportError | None = None
+        self._first: ChainedEvent | None = None  # the event with the lowest seq (the first so given)
+        self._sorted: list[ChainedEvent] | None = None  # the events, when the file does not give them in order
+        last: ChainedEvent | None = None
+        for record in self._records():
+            if isinstance(record, ChainedEvent):
+                self.events += 1
+                if self._first is None or record.seq < self._first.seq:
+                    self._first = record
+                if last is None or record.seq > last.seq:
+                    last = record
+                elif record.seq < last.seq:
+                    self._sorted = []  # sorted below, once every line is known to read
+                elif record != last and self.conflict is None:
+                    self.conflict = ExportError(f"seq {record.seq} appears twice with different contents")
+            elif isinstance(record, Checkpoint):
+                self.checkpoints.append(record)
+            elif record is not None:
+                self.since, self.key_ids = record
+        if self._sorted is not None:
+            self.conflict = None
+            try:
+                self._sorted = events_in_order(
+                    Export(events=[r for r in self._records() if isinstance(r, ChainedEvent)])
+                )
+            except ExportError as exc:
+                self.conflict = exc
+
+    def _records(self) -> Iterator[ChainedEvent | Checkpoint | tuple[int, list[str]] | None]:
+        source = str(self.path)
+        with self.path.open("rb") as handle:
+            # A binary file's lines end at b"\n" alone, as read_export splits them.
+            for number, written in enumerate(handle, start=1):
+                yield _record(written[:-1] if written.endswith(b"\n") else written, f"{source}, line {number}")
+
+    @property
+    def anchored(self) -> bool:
+        """As :attr:`Export.anchored`: whether it starts where the chain starts."""
+        return self._first is None or self._first.prev_hash in (None, GENESIS)
+
+    def __iter__(self) -> Iterator[ChainedEvent]:
+        """The events by sequence number, a record sent twice (identical) once."""
+        if self._sorted is not None:
+            yield from self._sorted
+            return
+        last: ChainedEvent | None = None
+        for record in self._records():
+            if isinstance(record, ChainedEvent) and (last is None or record.seq > last.seq):
+                last = record
+                yield record
 
 
 def _decoded(written: str | bytes, where: str) -> str:
@@ -215,7 +292,7 @@ def events_in_order(export: Export) -> list[ChainedEvent]:
     return [by_seq[seq] for seq in sorted(by_seq)]
 
 
-def checkpoints_in_order(export: Export) -> list[Checkpoint]:
+def checkpoints_in_order(export: Export | ExportFile) -> list[Checkpoint]:
     by_seq: dict[tuple[int, int], Checkpoint] = {}
     for checkpoint in export.checkpoints:
         kept = by_seq.setdefault((checkpoint.seq, checkpoint.first_seq), checkpoint)

@@ -24,7 +24,7 @@ bad sequence number. Nothing here needs a secret: only the public keys.
 from __future__ import annotations
 
 import re
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -201,6 +201,7 @@ class _Walk:
         history: Checkpoint | None,
         pending: Collection[int],
         since: int | None = None,
+        wanted: frozenset[str] | None = None,
     ) -> None:
         self.keys = keys
         self.since = since  # the first sequence number the events must reach back to (None: any, doctor's tail)
@@ -214,21 +215,96 @@ class _Walk:
         self.prev: str | None = None  # the hash the next event should follow
         self.last: ChainedEvent | None = None
         self.last_misplaced = False  # the last event did not follow the one before it
-        self.seen: dict[str, int] = {}  # chain hash -> seq, to name where a misplaced event belongs
+        # Nothing is kept per event (a log of millions is walked in pages): where a misplaced event belongs is
+        # looked up among the hashes it names alone. A first pass (wanted None) notes them in `asked`; only if
+        # one is asked does a second pass keep them (chain hash -> the first seq there), the answers exact.
+        self.wanted = wanted
+        self.asked: set[str] = set()
+        self.seen: dict[str, int] = {}
         # A prev_hash no earlier event has -> the index of its problem ("missing" until an event with that hash
-        # turns up later in the log: then "reordered").
-        self.orphans: dict[str, int] = {}
-        self.links: dict[int, str] = {}  # seq -> the chain hash there, as recomputed
-        # The seqs of links, sorted: a span between two numbers is looked up by them, never walked number by number
-        # (an export may name seq 2**62: a range over the gap would never end).
-        self.order: list[int] = []
+        # turns up later in the log: then "reordered"), and the chain hash of the event before it, if in the log.
+        self.orphans: dict[str, tuple[int, str | None]] = {}
+        # The seqs of links not yet covered by a checkpoint, as runs [first, last] in order: a span between two
+        # numbers is looked up by them, never walked number by number (an export may name seq 2**62: a range
+        # over the gap would never end), and a run without gaps is two numbers however long.
+        self.runs: list[list[int]] = []
         self.covered_to = 0  # the last seq a checkpoint covers
         self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
         self.held: list[Checkpoint] = []  # signed checkpoints whose head the events reach
         self.signed_heads: dict[int, str] = {}  # seq -> the head a checkpoint with a good signature signed there
 
+    def earlier(self, chain_hash: str) -> int | None:
+        """The first seq walked so far whose link hashes to ``chain_hash``."""
+        if self.wanted is None:
+            self.asked.add(chain_hash)
+        return self.seen.get(chain_hash)
+
+    def link_at(self, seq: int) -> str | None:
+        """The chain hash at ``seq`` if it is the last event walked (the only one a checkpoint can still ask for:
+        they are walked right after the event they sign, events in ascending order)."""
+        return self.prev if self.last is not None and self.last.seq == seq else None
+
     def problem(self, seq: int, kind: str, detail: str) -> None:
         self.report.problems.append(Problem(seq, kind, detail))
+
+
+class Verification:
+    """One pass of :func:`verify`, fed the events one at a time (a store read in pages, a file line by line):
+    what it keeps does not grow with the log, only with the checkpoints and the problems found.
+
+    After the events, :attr:`asked` says whether a second pass is needed: an event that does not follow the one
+    before it names a hash to look up among the earlier ones, which a first pass does not keep. Feed the same
+    events again to a Verification made with ``wanted=asked``; its report is the one to take."""
+
+    def __init__(
+        self,
+        checkpoints: Iterable[Checkpoint],
+        keys: PublicKeys,
+        *,
+        heads: Iterable[Head] = (),
+        anchored: bool = True,
+        pending: Collection[int] = (),
+        since: int | None = None,
+        wanted: frozenset[str] | None = None,
+    ) -> None:
+        self.ordered = sorted(checkpoints, key=lambda c: c.seq)
+        history = next((c for c in self.ordered if c.kind == HISTORY), None)
+        self.walk = _Walk(keys, heads, anchored, history, pending, since, wanted)
+        self.index = 0
+
+    def add(self, event: ChainedEvent) -> None:
+        """The next event, in ascending sequence order."""
+        walk, ordered = self.walk, self.ordered
+        _event(walk, event)
+        while self.index < len(ordered) and ordered[self.index].seq <= event.seq:
+            _checkpoint(walk, ordered[self.index])
+            self.index += 1
+
+    @property
+    def asked(self) -> frozenset[str] | None:
+        """The hashes to keep in a second pass; None when this pass's answers are exact already."""
+        if self.walk.wanted is not None or not self.walk.asked:
+            return None
+        return frozenset(self.walk.asked)
+
+    def report(
+        self,
+        unrecorded: Sequence[UnrecordedRequest] = (),
+        *,
+        unrecorded_more: bool = False,
+        pending: Collection[int] | None = None,
+    ) -> Report:
+        """The report, once every event was added. ``pending`` (see :func:`verify`) may be given here, read after
+        the events: only events past the last checkpoint can be pending, and those are judged only now."""
+        walk = self.walk
+        if pending is not None:
+            walk.pending = pending
+        for checkpoint in self.ordered[self.index :]:
+            _checkpoint(walk, checkpoint)
+        self.index = len(self.ordered)
+        _ends(walk)
+        _unrecorded(walk, unrecorded, more=unrecorded_more)
+        return walk.report
 
 
 def verify(
@@ -243,8 +319,11 @@ def verify(
     unrecorded: Sequence[UnrecordedRequest] = (),
     unrecorded_more: bool = False,
 ) -> Report:
-    """Check ``events`` (in sequence order) against their chain fields, ``checkpoints`` against ``keys`` and the
-    events, and ``heads`` seen elsewhere against the log.
+    """Check ``events`` (in ascending sequence order) against their chain fields, ``checkpoints`` against ``keys``
+    and the events, and ``heads`` seen elsewhere against the log.
+
+    ``events`` is iterated once, and a second time when an event does not follow the one before it (see
+    :class:`Verification`): a collection, or an object that reads the events again each time it is iterated.
 
     ``anchored=False``: the events start after the beginning of the log (an export with ``--since``, or one whose
     front was cut): the first one's ``prev_hash`` is taken as given, and only a checkpoint or head can vouch for
@@ -258,18 +337,20 @@ def verify(
     checkpoints after it removed is consistent in itself, and only the rows it recorded still show the cut.
     """
     ordered = sorted(checkpoints, key=lambda c: c.seq)
-    walk = _Walk(keys, heads, anchored, next((c for c in ordered if c.kind == HISTORY), None), pending, since)
-    index = 0
-    for event in events:
-        _event(walk, event)
-        while index < len(ordered) and ordered[index].seq <= event.seq:
-            _checkpoint(walk, ordered[index])
-            index += 1
-    for checkpoint in ordered[index:]:
-        _checkpoint(walk, checkpoint)
-    _ends(walk)
-    _unrecorded(walk, unrecorded, more=unrecorded_more)
-    return walk.report
+    given = list(heads)
+
+    def walked(wanted: frozenset[str] | None) -> Verification:
+        verification = Verification(
+            ordered, keys, heads=given, anchored=anchored, pending=pending, since=since, wanted=wanted
+        )
+        for event in events:
+            verification.add(event)
+        return verification
+
+    verification = walked(None)
+    if verification.asked is not None:
+        verification = walked(verification.asked)
+    return verification.report(unrecorded, unrecorded_more=unrecorded_more)
 
 
 def _unrecorded(walk: _Walk, requests: Sequence[UnrecordedRequest], *, more: bool) -> None:
@@ -334,8 +415,9 @@ def _event(walk: _Walk, event: ChainedEvent) -> None:
         )
         _link(walk, event, event.chain_hash, misplaced=False)  # what follows it is judged against what it said
         return
-    resolved = walk.orphans.pop(event.chain_hash, None)
-    if resolved is not None:
+    orphan = walk.orphans.pop(event.chain_hash, None)
+    if orphan is not None:
+        resolved = orphan[0]
         seq = walk.report.problems[resolved].seq
         walk.report.problems[resolved] = Problem(
             seq, REORDERED, f"it was chained after seq {event.seq}, which comes later in the log"
@@ -373,10 +455,10 @@ def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
     """``event`` is intact but does not follow the event before it: say where it belongs."""
     prev_hash = event.prev_hash or ""
     last = walk.last
-    earlier = 0 if prev_hash == GENESIS else walk.seen.get(prev_hash)
+    earlier = 0 if prev_hash == GENESIS else walk.earlier(prev_hash)
     if earlier is None:  # reordered if that event comes later in the log, else missing
         if prev_hash not in walk.orphans:
-            walk.orphans[prev_hash] = len(walk.report.problems)
+            walk.orphans[prev_hash] = (len(walk.report.problems), walk.link_at(event.seq - 1))
             walk.problem(event.seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
     elif last is not None and earlier == last.seq - 1 and not walk.last_misplaced:
         walk.problem(
@@ -393,10 +475,9 @@ def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -
     walk.prev = computed
     walk.last = event
     walk.last_misplaced = misplaced
-    if event.seq not in walk.links:
-        insort(walk.order, event.seq)
-    walk.links[event.seq] = computed
-    walk.seen.setdefault(computed, event.seq)
+    _ran(walk, event.seq)
+    if walk.wanted is not None and computed in walk.wanted:
+        walk.seen.setdefault(computed, event.seq)
     walk.report.last_seq = event.seq
     walk.report.head = computed
     for head in walk.heads.pop(event.seq, []):
@@ -409,6 +490,20 @@ def _link(walk: _Walk, event: ChainedEvent, computed: str, *, misplaced: bool) -
                 CHANGED,
                 f"it hashes to {computed[:shown]}…, but the head seen {head.source} says {head.prefix}",
             )
+
+
+def _ran(walk: _Walk, seq: int) -> None:
+    runs = walk.runs
+    if seq <= walk.covered_to:
+        return  # covered already: no span asked about again reaches it
+    if runs and runs[-1][1] + 1 == seq:
+        runs[-1][1] = seq
+    elif not runs or runs[-1][1] < seq:
+        runs.append([seq, seq])
+    else:  # out of order (a caller's own list): kept exact all the same
+        at = bisect_right(runs, [seq, seq])
+        if not (at and runs[at - 1][0] <= seq <= runs[at - 1][1]):
+            runs.insert(at, [seq, seq])
 
 
 def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
@@ -427,7 +522,7 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
             # wrong with them is the cut, not that nobody signed them.
             _covered(walk, checkpoint, last.seq)
         return
-    computed = walk.links.get(checkpoint.seq)
+    computed = walk.link_at(checkpoint.seq)
     if computed is None:
         first = walk.report.first_seq
         if first is not None and checkpoint.seq >= first:
@@ -467,20 +562,52 @@ def _covered(walk: _Walk, checkpoint: Checkpoint, to: int | None = None) -> None
     if checkpoint.first_seq > walk.covered_to + 1:
         _uncovered(walk, walk.covered_to + 1, checkpoint.first_seq - 1)
     walk.covered_to = max(walk.covered_to, checkpoint.seq if to is None else to)
+    while walk.runs and walk.runs[0][1] <= walk.covered_to:
+        del walk.runs[0]
+    if walk.runs and walk.runs[0][0] <= walk.covered_to:
+        walk.runs[0][0] = walk.covered_to + 1
 
 
 def _uncovered(walk: _Walk, first: int, last: int) -> None:
-    present = walk.order[bisect_left(walk.order, first) : bisect_right(walk.order, last)]
-    waiting = [seq for seq in present if seq in walk.pending and seq > walk.covered_to]
-    walk.report.pending += len(waiting)
-    present = [seq for seq in present if seq not in walk.pending or seq <= walk.covered_to]
-    if present:
-        span = "" if len(present) == 1 else f" (to seq {present[-1]}: {len(present)} events)"
+    # Every seq asked about is past covered_to: one Kazma's seals vouch for is waiting, not unsigned.
+    count = 0
+    low: int | None = None
+    high: int | None = None
+    waiting = 0
+    for start, end in walk.runs:
+        start, end = max(start, first), min(end, last)
+        if start > end:
+            continue
+        inside = [seq for seq in walk.pending if start <= seq <= end] if walk.pending else []
+        waiting += len(inside)
+        count += end - start + 1 - len(inside)
+        if len(inside) < end - start + 1:
+            held = set(inside)
+            if low is None:
+                low = next(seq for seq in _upwards(start, end) if seq not in held)
+            high = next(seq for seq in _downwards(end, start) if seq not in held)
+    walk.report.pending += waiting
+    if count and low is not None and high is not None:
+        span = "" if count == 1 else f" (to seq {high}: {count} events)"
         walk.problem(
-            present[0],
+            low,
             UNSIGNED,
             f"no signed checkpoint covers it{span}: written outside Kazma, or its checkpoint was removed",
         )
+
+
+def _upwards(start: int, end: int) -> Iterator[int]:
+    seq = start
+    while seq <= end:
+        yield seq
+        seq += 1
+
+
+def _downwards(end: int, start: int) -> Iterator[int]:
+    seq = end
+    while seq >= start:
+        yield seq
+        seq -= 1
 
 
 def _changed_and_rehashed(walk: _Walk) -> None:
@@ -489,9 +616,8 @@ def _changed_and_rehashed(walk: _Walk) -> None:
     something else, though to its own chain hash (changed and hashed again, the algorithm being public): it is
     the first bad one, not s."""
     problems = walk.report.problems
-    for prev_hash, index in walk.orphans.items():
+    for prev_hash, (index, before) in walk.orphans.items():
         seq = problems[index].seq
-        before = walk.links.get(seq - 1)
         if before is None or before == prev_hash:
             continue
         if walk.signed_heads.get(seq - 1) == prev_hash:

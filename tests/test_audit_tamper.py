@@ -353,10 +353,10 @@ def test_doctor_names_a_log_whose_last_signed_events_were_removed(
 def test_kazma_appending_and_signing_between_verifys_reads_is_no_forgery(
     store_engine: Engine, tmp_path: Path, log: Log, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """verify and doctor read the events, then the checkpoints, then the unsigned tail Kazma's commit seals vouch
-    for. A running Kazma that appended and signed past the events read in between left that tail starting after
-    its new checkpoint (dropped as made after the read): Kazma's own event read before it, not signed yet when read,
-    was named "unsigned: ... written outside Kazma", and both failed."""
+    """doctor reads the events, then the checkpoints (verify: the checkpoints, then the events in pages), then
+    the unsigned tail Kazma's commit seals vouch for. A running Kazma that appended and signed between those reads
+    left that tail starting after its new checkpoint (not read): Kazma's own event, not signed when read, was named
+    "unsigned: ... written outside Kazma", and both failed."""
 
     async def kazma_appends(title: str) -> None:
         async with approval_service(store_engine.where) as service:
@@ -365,20 +365,24 @@ def test_kazma_appending_and_signing_between_verifys_reads_is_no_forgery(
     run_async(kazma_appends("uptime"))  # seq log.last + 1: sealed by its commit, not signed yet
     read_events: Callable[..., Coroutine[Any, Any, list[ChainedEvent]]] = ApprovalStore.chain_events
     read_checkpoints: Callable[..., Coroutine[Any, Any, list[Checkpoint]]] = ApprovalStore.chain_checkpoints
-    events_read: list[bool] = []
+    read: set[str] = set()  # what this command read so far: Kazma goes on between its first two kinds of read
 
-    async def events(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[ChainedEvent]:
-        events_read.append(True)
-        return await read_events(store, *args, **kwargs)
-
-    async def checkpoints(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[Checkpoint]:
-        if events_read and len(events_read) < 1000:  # once per command: Kazma goes on between its reads
-            events_read.extend([True] * 1000)
+    async def between_reads(kind: str) -> None:
+        if read and kind not in read and "kazma" not in read:  # once per command
+            read.add("kazma")
             async with approval_service(store_engine.where) as service:
                 await service.open("shell", {"command": "date"}, "agent:builder", "telegram:-100")
                 judged = await Checkpointer(service.store, TEST_SIGNER).sign()
-            # It signs the event the command read and the one appended after that read.
+            # It signs the event the command read (or is about to) and the one appended meanwhile.
             assert [(c.first_seq, c.seq) for c in judged.signed] == [(unsigned[-1], unsigned[-1] + 1)]
+        read.add(kind)
+
+    async def events(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[ChainedEvent]:
+        await between_reads("events")
+        return await read_events(store, *args, **kwargs)
+
+    async def checkpoints(store: ApprovalStore, *args: Any, **kwargs: Any) -> list[Checkpoint]:
+        await between_reads("checkpoints")
         return await read_checkpoints(store, *args, **kwargs)
 
     monkeypatch.setattr(ApprovalStore, "chain_events", events)
@@ -386,8 +390,10 @@ def test_kazma_appending_and_signing_between_verifys_reads_is_no_forgery(
     unsigned = [log.last + 1]
     result = verify(tmp_path, store_engine)
     assert result.exit_code == 0, result.stdout
+    # verify reads the checkpoints, then the events to the last seq then (Kazma's "date" is for the next verify).
     assert f"ok: {log.last + 1} events" in result.stdout, result.stdout
-    events_read.clear()
+    assert "the last 1 are sealed by Kazma and not signed yet" in result.stdout, result.stdout
+    read.clear()
     run_async(kazma_appends("whoami"))
     unsigned.append(log.last + 3)  # unsigned again
     line = doctor(tmp_path, store_engine)

@@ -23,16 +23,14 @@ import click
 
 from kazma.approvals import ApprovalStore
 from kazma.approvals.audit_export import (
-    Export,
     ExportError,
+    ExportFile,
     checkpoints_in_order,
-    events_in_order,
     export_records,
     header_record,
     line,
-    read_export,
 )
-from kazma.approvals.audit_verify import Head, HeadError, Report, heads_of, verify
+from kazma.approvals.audit_verify import Head, HeadError, Report, Verification, heads_of, verify
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
@@ -78,9 +76,9 @@ def _heads(given: tuple[str, ...], files: tuple[Path, ...]) -> list[Head]:
     return heads
 
 
-def _read_export(path: Path) -> Export:
+def _read_export(path: Path) -> ExportFile:
     try:
-        export = read_export(path.read_bytes(), source=str(path))  # a line not UTF-8 is named by read_export
+        export = ExportFile(path)  # line by line: a line not UTF-8 is named by its number
     except OSError as exc:
         _fail(f"cannot read {path}: {exc}")
     except ExportError as exc:
@@ -180,14 +178,21 @@ def verify_command(
     if from_export is not None:
         export = _read_export(from_export)
         try:
-            events, checkpoints = events_in_order(export), checkpoints_in_order(export)
+            if export.conflict is not None:
+                raise export.conflict
+            checkpoints = checkpoints_in_order(export)
         except ExportError as exc:
             _fail(f"{from_export}: {exc}", EXIT_FAILED)
         keys = _public_keys(public_key, None if public_key is not None else _config_if_any(obj))
         # The header is not signed: whoever cut the export's front could write `since` there too. It can only make
         # the check stricter; a slice passes only where the verifier says one is expected.
         expected = 1 if since is None else min(since, export.since or since)
-        report = verify(events, checkpoints, keys, heads=given, anchored=export.anchored, since=expected)
+        try:
+            # The events are read from the file as they are walked (again, if a second pass is needed).
+            report = verify(export, checkpoints, keys, heads=given, anchored=export.anchored, since=expected)
+        except (OSError, ExportError) as exc:  # the file changed (or went) after its first reading
+            _fail(f"cannot read {from_export} again: {exc}", EXIT_FAILED)
+            return
         if since is None and export.since not in (None, 1) and not report.from_start:
             click.echo(
                 f"note: its header says --since {export.since}, but the header is not signed: verify it as a slice "
@@ -212,19 +217,31 @@ def _config_if_any(obj: Context) -> KazmaConfig | None:
 async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]) -> Report:
     async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
-        events = [event async for batch in _pages(store) for event in batch]
+        # The checkpoints first: the events are walked in pages beside them, never held whole.
         checkpoints = await _checkpoints(store)
-        newest = await store.last_event_seq()  # read after the checkpoints: anything a checkpoint signs is in
-        read_to = events[-1].seq if events else 0
-        # A checkpoint made after the events were read (Kazma runs) signs what this read did not see: not a cut.
-        checkpoints = [c for c in checkpoints if c.seq <= read_to or c.seq > newest]
+        # Read after the checkpoints: anything a checkpoint signs is in. The events are read to here: those Kazma
+        # appends meanwhile are for the next verify.
+        newest = await store.last_event_seq()
+        # A second pass (the same events) only where one is misplaced: see Verification.
+        wanted: frozenset[str] | None = None
+        while True:
+            verification = Verification(checkpoints, keys, heads=heads, wanted=wanted)
+            async for batch in _pages(store, upto=newest):
+                for event in batch:
+                    verification.add(event)
+            wanted = verification.asked
+            if wanted is None:
+                break
         signer = read_audit_signer(config)
+        # The tail after the last checkpoint read: a running Kazma may have signed past it since, and a tail from
+        # its new checkpoint on (not read here) left its own events before it vouched for by nobody.
+        signed_to = checkpoints[-1].seq if checkpoints else 0
         pending = (
-            set() if signer is None else {s for s in await vouched_tail(store, signer, upto=read_to) if s <= read_to}
+            set() if signer is None else {s for s in await vouched_tail(store, signer, upto=signed_to) if s <= newest}
         )
         # Read after the events: a request Kazma opens or finishes meanwhile has its event in the log by then.
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
-    return verify(events, checkpoints, keys, heads=heads, pending=pending, unrecorded=unrecorded, unrecorded_more=more)
+    return verification.report(unrecorded, unrecorded_more=more, pending=pending)
 
 
 async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
