@@ -46,6 +46,7 @@ from mcp_types import (
     GetPromptResult,
     InputRequiredResult,
     JSONRPCError,
+    JSONRPCMessage,
     JSONRPCNotification,
     JSONRPCRequest,
     JSONRPCResponse,
@@ -408,20 +409,15 @@ class _CheckedLines(anyio.AsyncFile[str]):
             )
         self._open.clear()
 
-    def _passed(self, line: str) -> str:
-        """Note a line passed on to the server: a request in it waits for its answer; a cancellation ends the wait
-        for the request it names (which JSON-RPC then never answers)."""
-        try:
-            message = jsonrpc_message_adapter.validate_json(line, by_name=False)
-        except ValidationError:
-            return line
+    def _note(self, message: JSONRPCMessage | None) -> None:
+        """Note a message passed on to the server (as the check before it read it): a request waits for its answer;
+        a cancellation ends the wait for the request it names (which JSON-RPC then never answers)."""
         if isinstance(message, JSONRPCRequest):
             self._open[_id_key(message.id)] = message.method
         elif isinstance(message, JSONRPCNotification) and message.method == "notifications/cancelled":
             cancelled = (message.params or {}).get("requestId")
             if isinstance(cancelled, str | int) and not isinstance(cancelled, bool):
                 self._settle(cancelled)
-        return line
 
     def _settle(self, request_id: str | int) -> None:
         if self._open.pop(_id_key(request_id), None) is not None:
@@ -451,11 +447,12 @@ class _CheckedLines(anyio.AsyncFile[str]):
                 continue
             problem = ambiguity(line.encode("utf-8", "surrogatepass"), read_from_text=READ_FROM_TEXT)
             if problem is None:
-                unread = None if not line.strip() else _unreadable(line)
-                if unread is None:
-                    yield self._passed(line)
+                message = None if not line.strip() else _read_message(line)
+                if isinstance(message, str):
+                    await self._answer_unreadable(line, message)
                 else:
-                    await self._answer_unreadable(line, unread)
+                    self._note(message)
+                    yield line
                 continue
             # the members of the message itself, each name as often as given (an object becomes a tuple of its
             # pairs; a batch stays a list, which the SDK does not take anyway)
@@ -652,17 +649,16 @@ def _int_or_unread(text: str) -> int | _Unread:
         return _Unread()  # never an id to answer with: the client's was a number, not this
 
 
-def _unreadable(line: str) -> str | None:
-    """Why the SDK's reader cannot read ``line`` (as it reads it), or None."""
+def _read_message(line: str) -> JSONRPCMessage | str:
+    """``line`` as the SDK's reader reads it, or why it cannot (one read: the door notes what it passes on)."""
     try:
-        jsonrpc_message_adapter.validate_json(line, by_name=False)
+        return jsonrpc_message_adapter.validate_json(line, by_name=False)
     except ValidationError as exc:
         errors = exc.errors(include_url=False, include_input=False)
         # the first reason only, without the values (they are the caller's data, and may be huge)
         first = errors[0] if errors else {"msg": str(exc)}
         where = ".".join(str(part) for part in first.get("loc", ()))
         return f"{first['msg']}" + (f" (at {where})" if where else "")
-    return None
 
 
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as surrogateescape keeps it
@@ -709,19 +705,20 @@ async def _withdraw_remote(client: Any, request_id: str, why: Gone) -> None:
 
 def _stopped_reading(answers_wire: int) -> bool:
     """Whether the MCP client closed its end of our stdout (``answers_wire``, a copy of it): no answer reaches it."""
-    try:
-        poller = select.poll()
-        poller.register(answers_wire, 0)  # no event asked: an error (the reader gone) is reported all the same
-        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
-    except (OSError, ValueError):
-        return False
+    # no event asked: an error (the reader gone) is reported all the same
+    return _polled(answers_wire, 0, select.POLLERR | select.POLLHUP)
 
 
 def _hung_up(wire: int) -> bool:
     """Whether the MCP client closed our stdin (``wire``, a copy of it), as opposed to cancelling one call."""
+    return _polled(wire, select.POLLIN, select.POLLHUP | select.POLLERR | select.POLLNVAL)
+
+
+def _polled(fd: int, asked: int, ended: int) -> bool:
+    """Whether polling ``fd`` for ``asked`` at once reports any of ``ended`` (False when it cannot be polled)."""
     try:
         poller = select.poll()
-        poller.register(wire, select.POLLIN)
-        return any(event & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, event in poller.poll(0))
+        poller.register(fd, asked)
+        return any(event & ended for _, event in poller.poll(0))
     except (OSError, ValueError):
         return False
