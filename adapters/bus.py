@@ -250,6 +250,11 @@ class _Worker:
     held_until: float | None = None
 
 
+def _retry_by(worker: _Worker, at: float) -> None:
+    """The worker's next card edit is due no later than ``at``."""
+    worker.retry_at = at if worker.retry_at is None else min(worker.retry_at, at)
+
+
 class FanOutBus:
     """One or more platforms. Satisfies the approvals' ``CardPublisher``."""
 
@@ -897,7 +902,7 @@ class FanOutBus:
         longer wait already running is kept), then one of them asks again; a scan is due when the hold ends."""
         until = self.clock() + delay
         worker.held_until = until if worker.held_until is None else max(worker.held_until, until)
-        worker.retry_at = worker.held_until if worker.retry_at is None else min(worker.retry_at, worker.held_until)
+        _retry_by(worker, worker.held_until)
         self._cards_refused[worker.adapter.name] = why
 
     def _token_good(self, worker: _Worker) -> None:
@@ -1346,7 +1351,7 @@ class FanOutBus:
                 break  # the token was refused: the rest wait with that edit (see _settle_one)
         worker.retry_at = await self.store.next_settle_retry(adapter.name)
         if self._held(worker) and worker.held_until is not None:  # the refused edits are due in the rows already
-            worker.retry_at = worker.held_until if worker.retry_at is None else min(worker.retry_at, worker.held_until)
+            _retry_by(worker, worker.held_until)
 
     async def _settle_one(
         self,
@@ -1395,7 +1400,7 @@ class FanOutBus:
         if self.shared and not force and not await self.store.claim_settle(posted, self.claim_seconds):
             # Another replica edits it (or it waits out a failed edit): look again when that claim has run out.
             due = self.clock() + self.claim_seconds
-            worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
+            _retry_by(worker, due)
             return False
         ref = CardRef(posted.platform, posted.chat, posted.message_id)
         try:
@@ -1434,7 +1439,7 @@ class FanOutBus:
                 # The retry time lives in the card's row: a scan before then does not even read it.
                 await self.store.settle_failed(posted, delay)
                 due = self.clock() + delay
-                worker.retry_at = due if worker.retry_at is None else min(worker.retry_at, due)
+                _retry_by(worker, due)
             log.warning(
                 "bus.card_settle_failed",
                 platform=adapter.name,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aiosqlite
 
@@ -24,6 +24,8 @@ from kazma.config.store.pg_schema import PgMigration
 LOCAL = "local"
 # Told at every enqueue: every replica's bus workers look for posts to claim (PostgreSQL NOTIFY).
 CARDS_CHANNEL = "kazma_cards"
+# An attempt claimed (see Outbox.claim) that certainly landed nothing, taken back from the count.
+_TAKEN_BACK: Final = ", attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END"
 
 MIGRATIONS = [
     Migration(
@@ -189,7 +191,7 @@ class Outbox:
         """``job`` goes again in ``delay`` seconds. ``attempted`` False: the attempt just claimed certainly landed
         nothing (the platform refused the token, or the call never left Kazma), so it is taken back from the count,
         which says how many attempts may have landed a card unrecorded (see :meth:`claim`)."""
-        taken_back = "" if attempted else ", attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END"
+        taken_back = "" if attempted else _TAKEN_BACK
         await self._write(
             f"UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL{taken_back} WHERE id = ?",  # noqa: S608
             [(self.clock() + delay, error, job.id)],
@@ -204,17 +206,9 @@ class Outbox:
         works, trying the post, newer and real. Written over at every poll, ``kazma doctor`` showed this refusal
         instead, and the row was rewritten after each of that replica's tries. How many say it now, and the
         highest id of a waiting post (``above`` when none is higher)."""
-        floor = -1 if above is None else above
 
         def op(tx: Tx) -> tuple[int, int | None]:
-            count = tx.run(
-                "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
-                " AND (last_error IS NULL OR (id > ? AND last_error != ?))",
-                (why, platform, floor, why),
-            )
-            row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (platform,))
-            highest = None if row is None or row[0] is None else int(row[0])
-            return int(count), max(highest, floor) if highest is not None else above
+            return _say_why(tx, platform, why, above)
 
         writer = await self.tables.writer()
         return await writer.submit(op)
@@ -234,23 +228,16 @@ class Outbox:
         replica's try of it, newer and real: written over at each refused try, ``kazma doctor`` showed this token's
         refusal instead, all through a rolling token change."""
         now = self.clock()
-        floor = -1 if above is None else above
 
         def op(tx: Tx) -> tuple[int, int | None]:
             tx.run(
-                "UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL,"
-                " attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END WHERE id = ? AND done_at IS NULL",
+                f"UPDATE card_outbox SET next_at = ?, last_error = ?, claimed_by = NULL{_TAKEN_BACK}"  # noqa: S608
+                " WHERE id = ? AND done_at IS NULL",
                 (now, why, job.id),
             )
-            said = tx.run(
-                "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL"
-                " AND claimed_by IS NULL AND id != ? AND (last_error IS NULL OR (id > ? AND last_error != ?))",
-                (why, job.platform, job.id, floor, why),
-            )
+            said, highest = _say_why(tx, job.platform, why, above, besides=job.id)
             tx.notify(CARDS_CHANNEL, job.platform)  # another replica's token may work: it looks at once
-            row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (job.platform,))
-            highest = None if row is None or row[0] is None else int(row[0])
-            return int(said) + 1, max(highest, floor) if highest is not None else above
+            return said + 1, highest
 
         writer = await self.tables.writer()
         return await writer.submit(op)
@@ -292,3 +279,20 @@ class Outbox:
             "SELECT request_id, platform, attempts, last_error FROM card_outbox WHERE done_at IS NULL ORDER BY id"
         )
         return [(str(r[0]), str(r[1]), int(r[2]), r[3]) for r in rows]
+
+
+def _say_why(
+    tx: Tx, platform: str, why: str, above: int | None, *, besides: int | None = None
+) -> tuple[int, int | None]:
+    """Every post waiting on ``platform`` (none claimed; but ``besides``) says ``why`` it waits, unless it says
+    something else written since this process last said it (past ``above``: see :meth:`Outbox.kept`). How many say
+    it now, and the highest id of a waiting post (``above`` when none is higher)."""
+    floor = -1 if above is None else above
+    said = tx.run(
+        "UPDATE card_outbox SET last_error = ? WHERE platform = ? AND done_at IS NULL AND claimed_by IS NULL"
+        " AND id != ? AND (last_error IS NULL OR (id > ? AND last_error != ?))",
+        (why, platform, -1 if besides is None else besides, floor, why),
+    )
+    row = tx.one("SELECT MAX(id) FROM card_outbox WHERE platform = ? AND done_at IS NULL", (platform,))
+    highest = None if row is None or row[0] is None else int(row[0])
+    return int(said), max(highest, floor) if highest is not None else above

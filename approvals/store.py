@@ -1836,13 +1836,7 @@ class ApprovalStore:
         retry_at = self.clock() + retry_in
 
         def op(tx: Tx) -> int:
-            row = tx.one(
-                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = ?,"
-                " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
-                " RETURNING settle_attempts",
-                (retry_at, card.request_id, card.platform, card.chat, card.message_id),
-            )
-            return 0 if row is None else int(row[0])
+            return _settle_failed(tx, card, retry_at)
 
         return await self._write(op)
 
@@ -1874,14 +1868,9 @@ class ApprovalStore:
         refusing process waits in its own memory instead (the bus worker's hold)."""
 
         def op(tx: Tx) -> int:
-            row = tx.one(
-                "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = NULL,"
-                " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
-                " RETURNING settle_attempts",
-                (card.request_id, card.platform, card.chat, card.message_id),
-            )
+            failed = _settle_failed(tx, card, None)  # due at once
             tx.notify(DECIDED_CHANNEL, card.request_id)  # each replica edits a decided request's cards at once
-            return 0 if row is None else int(row[0])
+            return failed
 
         return await self._write(op)
 
@@ -1941,6 +1930,17 @@ class ApprovalStore:
                 )  # fmt: skip
 
         await self._write(op, ride=ride)
+
+
+def _settle_failed(tx: Tx, card: PostedCard, retry_at: float | None) -> int:
+    """``card``'s edit failed once more, unclaimed, due again at ``retry_at`` (None: now); how many times now."""
+    row = tx.one(
+        "UPDATE approval_cards SET settle_attempts = settle_attempts + 1, retry_at = ?,"
+        " settle_claimed_by = NULL WHERE request_id = ? AND platform = ? AND chat = ? AND message_id = ?"
+        " RETURNING settle_attempts",
+        (retry_at, card.request_id, card.platform, card.chat, card.message_id),
+    )
+    return 0 if row is None else int(row[0])
 
 
 def decided_detail(status: Status, reason: str | None) -> str:
