@@ -24,7 +24,7 @@ import dataclasses
 import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, ClassVar, Final, TypedDict, TypeVar, Unpack
+from typing import Any, ClassVar, Final, Protocol, TypedDict, TypeVar, Unpack
 
 import structlog
 
@@ -909,3 +909,22 @@ class PlatformBase(PressPolicy):
         error = PlatformError(self.name, site, message, retryable=retryable)
         self.failed(site, chat, error)
         return error
+
+
+class _Reads(Protocol):
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+async def read_up_to(stream: _Reads, limit: int) -> bytes:
+    """``stream``'s bytes to its end, or its first ``limit`` once it holds that many (an aiohttp body: a file
+    fetched, a request's). One ``read(limit)`` is not that: it gives what has arrived so far, and a 1 MB file
+    reached the agents as its first 118 KB, a passkey's answer in two TCP segments was cut at the first."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < limit:
+        chunk = await stream.read(limit - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

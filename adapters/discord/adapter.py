@@ -74,6 +74,7 @@ from kazma.adapters.discord.inbound import (
 from kazma.adapters.discord.render import (
     CONTENT_MAX,
     NO_MENTIONS,
+    card_footer,
     clip,
     code_block,
     escape_text,
@@ -875,7 +876,7 @@ class DiscordAdapter(PlatformBase):
         site = "card_find"
         client = self._connected(site)
         channel = self._target(site, chat, None)
-        footer = f"request {request_id}"
+        footer = card_footer(request_id)
 
         async def look() -> discord.Message | None:
             async for message in channel.history(limit=FIND_CARD_MESSAGES):

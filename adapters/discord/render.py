@@ -54,6 +54,11 @@ _MARKS: Final[dict[Status, str]] = {
 _PENDING_COLOUR: Final = discord.Colour.gold()
 
 
+def card_footer(request_id: str) -> str:
+    """A card's embed footer: the request it is for (how a card a crash left unrecorded is found again)."""
+    return f"request {request_id}"
+
+
 def neutralise_mentions(value: str) -> str:
     """Break every mention syntax so it renders as text, even if a send forgot ``allowed_mentions``.
 
@@ -156,7 +161,7 @@ class DiscordWriter:
             name = f"{ARGUMENT_MARK}{escape_text(arg.name)}"
             oversized |= len(name) > FIELD_NAME_MAX or len(value) > FIELD_VALUE_MAX
             embed.add_field(name=name[:FIELD_NAME_MAX], value=value, inline=False)
-        embed.set_footer(text=f"request {view.request_id}")
+        embed.set_footer(text=card_footer(view.request_id))
         return DiscordCard(embed, buttons_view(view), oversized)
 
     def fits(self, written: DiscordCard) -> bool:

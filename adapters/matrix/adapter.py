@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Final, Unpack
 from urllib.parse import quote
 
-import aiohttp
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
@@ -49,7 +48,7 @@ from kazma.adapters.deny_reason import (
     reason_request,
     reply_prompt,
 )
-from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted
+from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted, read_up_to
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
 from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, reply_words
@@ -830,7 +829,7 @@ class MatrixAdapter(PlatformBase):
                         # 401: the access token refused (the operator's to fix); 404: the media is gone.
                         raise PlatformError(PLATFORM, "file_fetch", f"HTTP {got.status}", retryable=got.status >= 500,
                                             operator_must_act=got.status == 401)  # fmt: skip
-                    return await _read_up_to(got.content, limit)
+                    return await read_up_to(got.content, limit)
 
             return await self.call("file_fetch", None, download, paced=False)
 
@@ -978,21 +977,6 @@ async def _direct_rooms(client: ClientAPI) -> dict[str, Any]:
 async def _ended(task: asyncio.Task[Any]) -> None:
     """Wait for ``task`` to end without ending it when this wait is cancelled (tracked work goes on)."""
     await asyncio.wait({task})
-
-
-async def _read_up_to(stream: aiohttp.StreamReader, limit: int) -> bytes:
-    """The stream's bytes to its end, or its first ``limit`` once it holds that many. One ``read(limit)`` is not
-    that: it gives what has arrived so far, and a 1 MB file reached the agents as its first 118 KB, said nowhere
-    (nor refused when larger than allowed)."""
-    chunks: list[bytes] = []
-    got = 0
-    while got < limit:
-        chunk = await stream.read(limit - got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 def _said_at(event: dict[str, Any], now: float) -> float:

@@ -50,6 +50,7 @@ from urllib.parse import urlencode
 import structlog
 from aiohttp import StreamReader, web
 
+from kazma.adapters.kit import read_up_to
 from kazma.bot.console.challenge_share import REFUSED
 from kazma.bot.console.forwarded import ClientAddresses
 from kazma.bot.console.hosts import Hosts, logged_path
@@ -252,10 +253,8 @@ async def read_body(stream: StreamReader, limit: int) -> bytes | None:
     """The whole of a request's body ``stream``, or None when it is longer than ``limit`` bytes. The stream's
     ``read(n)`` gives what has arrived so far (up to n), not n bytes: a body that came in two TCP segments was
     cut at the first, and a passkey's answer was refused as "not JSON"."""
-    body = bytearray()
-    while len(body) <= limit and (chunk := await stream.read(limit + 1 - len(body))):
-        body += chunk
-    return None if len(body) > limit else bytes(body)
+    body = await read_up_to(stream, limit + 1)
+    return None if len(body) > limit else body
 
 
 def token_digest(token: str) -> str:
