@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import subprocess
 import sys
@@ -10,12 +11,16 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.store import open_store
 from kazma.config import load_config_text
 from kazma.engine.swarm.commands import ASK_AGAIN
 from tests.fakes.openai import Completion, FakeOpenAI
+
+if TYPE_CHECKING:
+    from click.testing import Result
 
 
 def kazma(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -190,20 +195,31 @@ def test_a_refused_or_unknown_task_command_ends_non_zero(tmp_path: Path) -> None
     assert invoke("--as", "mallory", "history") == (0, "no swarm tasks yet")
 
 
+def _parse_only(tmp_path: Path, *words: str) -> Result:
+    """`kazma swarm --parse-only WORDS…` on a configuration of defaults, as a terminal hands the words over."""
+    from click.testing import CliRunner
+
+    from kazma.bot.cli import main
+
+    config = tmp_path / "kazma.yaml"
+    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
+    return CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", *words])
+
+
+def _chat_reads(line: str) -> dict[str, Any]:
+    """``line`` as chat's /swarm grammar reads it under the default configuration (GrammarError when refused)."""
+    from kazma.engine.swarm.grammar import parse
+
+    defaults = load_config_text("", environ={}).config
+    read: dict[str, Any] = json.loads(json.dumps(parse(line, workers=defaults.agents.workers,
+                                                        pipelines=defaults.pipelines).to_json()))  # fmt: skip
+    return read
+
+
 def test_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
     # The README's own example, `/swarm fanout researcher,builder compare X and Y -> slack:C0123ABCD`, typed as
     # `kazma swarm …` ended in click's "No such option '->'": the arrow starts with "-". So did task text with an
     # arrow in it. The terminal must read each line exactly as chat's grammar does.
-    import json
-
-    from click.testing import CliRunner
-
-    from kazma.bot.cli import main
-    from kazma.engine.swarm.grammar import parse
-
-    config = tmp_path / "kazma.yaml"
-    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
-    defaults = load_config_text("", environ={}).config
     for line in [
         "fanout researcher,builder compare X and Y -> slack:C0123ABCD",
         "dispatch researcher map a -> b then c",
@@ -211,17 +227,17 @@ def test_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
         "status -> telegram:-100123",
         "list -> slack:C0123ABCD",
     ]:
-        chat = parse(line, workers=defaults.agents.workers, pipelines=defaults.pipelines)
+        chat = _chat_reads(line)
         verb, *words = line.split()
         # with "--" (how a task word that starts with "-" is typed) the words after it are the task's
         typed = [[verb, *words]]
         if verb in ("fanout", "dispatch"):
             typed.append([verb, words[0], "--", *words[1:]])
         for argv in typed:
-            result = CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", *argv])
+            result = _parse_only(tmp_path, *argv)
             assert result.exit_code == 0, (argv, result.output)
-            assert json.loads(result.stdout) == json.loads(json.dumps(chat.to_json())), argv
-    bare = CliRunner().invoke(main, ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", "go", "->"])
+            assert json.loads(result.stdout) == chat, argv
+    bare = _parse_only(tmp_path, "dispatch", "researcher", "go", "->")
     assert bare.exit_code == 2
     assert bare.stderr.startswith("a route needs <platform>:<chat> after '->'")
 
@@ -229,25 +245,17 @@ def test_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
 def test_two_routes_are_refused_not_one_dropped(tmp_path: Path) -> None:
     # `… --to discord:123 -> slack:C0123ABCD` became two --to and click kept the last unsaid; with the arrow after
     # the --to's task words (`… -> slack:C0123ABCD --to discord:123`), the typed route became task text unsaid.
-    from click.testing import CliRunner
-
-    from kazma.bot.cli import main
-
-    config = tmp_path / "kazma.yaml"
-    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
     for words in [
         "go --to discord:123 -> slack:C0123ABCD",
         "go -> slack:C0123ABCD --to discord:123",
         "go --to discord:123 --to slack:C0123ABCD",
         "--to=discord:123 -- go -> slack:C0123ABCD",
     ]:
-        argv = ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", *words.split()]
-        result = CliRunner().invoke(main, argv)
+        result = _parse_only(tmp_path, "dispatch", "researcher", *words.split())
         assert result.exit_code == 2, (words, result.output)
         assert "more than one route" in result.stderr, (words, result.stderr)
     # after "--" a --to is task words, and the arrow's route is the one route, as chat reads it
-    argv = ["-c", str(config), "swarm", "--parse-only", "dispatch", "researcher", "--", "go", "--to", "x"]
-    result = CliRunner().invoke(main, [*argv, "->", "slack:C0123ABCD"])
+    result = _parse_only(tmp_path, "dispatch", "researcher", "--", "go", "--to", "x", "->", "slack:C0123ABCD")
     assert result.exit_code == 0, result.output
     assert '"prompt": "go --to x", "route": {"platform": "slack", "chat": "C0123ABCD"}' in result.stdout
 
@@ -255,17 +263,8 @@ def test_two_routes_are_refused_not_one_dropped(tmp_path: Path) -> None:
 def test_a_word_that_begins_with_an_arrow_reads_as_it_does_in_chat(tmp_path: Path) -> None:
     # `kazma swarm dispatch researcher go ->slack:C1` (no space after the arrow) ended in click's "No such option
     # '->'", as did `-->x`: words that begin with dashes and '>', which chat's grammar reads as task text.
-    import json
-
-    from click.testing import CliRunner
-
-    from kazma.bot.cli import main
-    from kazma.engine.swarm.grammar import parse
     from kazma.engine.swarm.syntax import GrammarError
 
-    config = tmp_path / "kazma.yaml"
-    config.write_text(f"store: {{path: '{tmp_path / 'k.db'}'}}\n")
-    defaults = load_config_text("", environ={}).config
     for line in [
         "dispatch researcher go ->slack:C1",
         "dispatch researcher go a->",
@@ -274,15 +273,14 @@ def test_a_word_that_begins_with_an_arrow_reads_as_it_does_in_chat(tmp_path: Pat
         "dispatch researcher ->x go",
         "fanout researcher,builder -->x ->y -> slack:C0123ABCD",
     ]:
-        argv = ["-c", str(config), "swarm", "--parse-only", *line.split()]
-        result = CliRunner().invoke(main, argv)
+        result = _parse_only(tmp_path, *line.split())
         refused: str | None = None
         try:
-            chat = parse(line, workers=defaults.agents.workers, pipelines=defaults.pipelines).to_json()
+            chat = _chat_reads(line)
         except GrammarError as exc:
             refused = exc.message
         if refused is not None:
             assert (result.exit_code, result.stderr) == (2, refused + "\n"), line
             continue
         assert result.exit_code == 0, (line, result.output)
-        assert json.loads(result.stdout) == json.loads(json.dumps(chat)), line
+        assert json.loads(result.stdout) == chat, line
