@@ -98,7 +98,7 @@ class TerminalAdapter:
             if approve_here:
                 # Only a/approve approves: anything else but d/deny was read as Approve, so "n", "no", an empty
                 # Enter or the end of input (Ctrl-D) let a dangerous call run. It is asked again; at the end of
-                # input nothing is pressed here (the console, or the deadline, decides).
+                # input ``end_of_input`` is pressed, or nothing (the console, or the deadline, decides).
                 chosen = None
                 while chosen is None:
                     answer = await _read_line(f"approve or deny {card.tool}? [a/d] ")
