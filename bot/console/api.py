@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hmac
 import json
 import math
 import re
@@ -49,6 +48,7 @@ from kazma.approvals.service import ApprovalRefused, ApprovalService, RefusalWin
 from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE, Gone, by_asker
 from kazma.bot.api_store import KEY_GRACE_SECONDS, ApiOpen, KeyReused, QuotaFull
+from kazma.bot.console.auth import same_token
 from kazma.bot.console.long_polls import LongPolls
 from kazma.bot.console.services import ApprovalsServices
 from kazma.config import failpoints
@@ -101,11 +101,11 @@ def caller_of(config: KazmaConfig, request: web.Request) -> ApiCaller:
     header = request.headers.get("Authorization", "")
     scheme, _, supplied = header.partition(" ")
     found: ApiCaller | None = None
-    # aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as the bytes sent, never a 500.
-    given = supplied.strip().encode("utf-8", "surrogateescape")
+    # aiohttp keeps header bytes that are not UTF-8 as surrogates: same_token compares what was sent, never a 500.
+    given = supplied.strip()
     if scheme.lower() == "bearer" and given:
         for name, token in config.api.tokens.items():
-            if hmac.compare_digest(given, token.token.encode()):
+            if same_token(given, token.token):
                 found = ApiCaller(name, tuple(token.roles))
     if found is None:
         log.warning("api.unauthorised", path=request.path, remote=request.remote)
