@@ -11,11 +11,13 @@ through ``LISTEN``/``NOTIFY`` (:class:`~kazma.config.store.pg_listen.PgListener`
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -167,6 +169,7 @@ class Replication:
         self._recorded: dict[str, InboundState] = {}  # what this leader last recorded
         self._recorded_on: int | None = None  # ... on this lease session
         self._recorded_at = 0.0  # ... at this time
+        self._health_reads: set[asyncio.Task[Any]] = set()  # health reads past their bound, still being cancelled
 
     @property
     def is_leader(self) -> bool:
@@ -300,12 +303,27 @@ class Replication:
             states, records = await self.inbound_record.read(*held)
             return held, LeaderInbound(held[0], states or None, records)
 
-        try:
-            # One wait for both reads: each bounded on its own, a slow database held /healthz twice as long.
-            held, inbound = await bounded(read(), HEALTH_TIMEOUT)
-            holder = None if held is None else held[0]
-        except Exception as exc:
-            reachable, problem = False, str(exc).strip() or type(exc).__name__
+        unanswered = f"the store did not answer within {HEALTH_TIMEOUT:g} s"
+        if self._health_reads:
+            # A read given up on is still being cancelled: the store has not answered it since. Another read now
+            # would only take one more pool connection for the same silence.
+            reachable, problem = False, f"{unanswered} (an earlier read is still unanswered)"
+        else:
+            task = self._tasks.spawn(read(), name="kazma-health-read", awaited=True)
+            try:
+                # One wait for both reads: each bounded on its own, a slow database held /healthz twice as long.
+                # The read runs as a task of its own: cancelled in place, psycopg waits for the server to cancel
+                # the query (up to 5 s, then up to 5 s more before it closes the connection), and /healthz
+                # answered 7 s and more after its bound while the server did not run.
+                held, inbound = await bounded(asyncio.shield(task), HEALTH_TIMEOUT)
+                holder = None if held is None else held[0]
+            except TimeoutError:
+                reachable, problem = False, unanswered
+            except Exception as exc:
+                reachable, problem = False, str(exc).strip() or type(exc).__name__
+            finally:
+                if not task.done():  # the bound passed, or this request was cancelled: the read ends behind it
+                    self._give_up(task)
         if problem is None and not self.listener.connected:
             problem = self.listener.problem
         # Told by the session alone: the name the database shows is cut at 63 bytes, the replica's may be longer.
@@ -321,6 +339,28 @@ class Replication:
             holds_lease=holds,
             store_read_only=reachable and refuses,
         )
+
+    def _give_up(self, task: asyncio.Task[Any]) -> None:
+        """Cancel a health read past its bound without waiting for it: psycopg's cancel of the query (and its
+        connection's return to the pool, or its close) goes on in the background, a task of this replica's that
+        its stop waits for. Until it ends no other health read starts."""
+        self._health_reads.add(task)
+        task.cancel()
+        given_up = time.monotonic()
+        log.warning("replica.health_read_given_up", replica=self.replica, bound=HEALTH_TIMEOUT)
+
+        def ended(done: asyncio.Task[Any]) -> None:
+            self._health_reads.discard(done)
+            took = round(time.monotonic() - given_up, 2)
+            error = None if done.cancelled() else done.exception()
+            if error is None:
+                log.info("replica.health_read_ended", replica=self.replica, after=took)
+                return
+            # Ended by an error rather than the cancel: its connection may have been lost on the way.
+            count_failure("health_read")
+            log.warning("replica.health_read_failed", replica=self.replica, after=took, error=str(error))
+
+        task.add_done_callback(ended)
 
     # -- the lease's callbacks (run one at a time, in order) ------------------------------------
 
