@@ -309,6 +309,9 @@ class FanOutBus:
         # While leading: since when (wall clock) each singleton ingress has not been open, across the opens tried
         # again meanwhile (each "opening" between two "not open" records restarted the followers' "since").
         self._down_since: dict[str, float] = {}
+        # Since when the leadership before this one had found each not open (read from its record at takeover): a
+        # connection down across a leader change is down since then, not since the new leader's first failed open.
+        self._down_before: dict[str, float] = {}
         self._tasks = Supervisor("bus_task")  # one worker per platform
         # (platform, person) whose direct messages refused a card, said in the home chat once until one lands
         self._dm_refused: set[tuple[str, str]] = set()
@@ -470,6 +473,11 @@ class FanOutBus:
         if mark is not None and mark[0] == began:
             del self._opening[name]
 
+    def inherit_down(self, down: Mapping[str, float]) -> None:
+        """Since when the previous leadership recorded each singleton ingress not open (a new leader's takeover):
+        kept as this leadership's "not open since" of a platform it cannot open either, until one is found open."""
+        self._down_before = dict(down)
+
     def inbound_states(self, since: Mapping[str, InboundState], now: float) -> dict[str, InboundState]:
         """This replica's singleton ingresses, as the leader records them for the followers' ``/healthz``: each
         started platform's state, keeping ``since`` of a state that did not change (``since`` holds the last
@@ -480,7 +488,9 @@ class FanOutBus:
                 continue
             if name in self._started and not self._leading and _reopens(adapter):
                 # The lease is this replica's and the leader's duties are starting: the ingress is about to open.
-                self._down_since.pop(name, None)  # an earlier leadership's outage is not this one's
+                # This replica's own outage of an earlier leadership: what the leadership just before found is
+                # kept in _down_before instead (read from its record, whoever held it).
+                self._down_since.pop(name, None)
                 at = _kept(since, name, INBOUND_OPENING, now)
                 states[name] = InboundState(INBOUND_OPENING, TOOK_THE_LEASE, at)
                 continue
@@ -491,6 +501,7 @@ class FanOutBus:
                 continue
             if name in self._started and single.ingress_running:
                 self._down_since.pop(name, None)
+                self._down_before.pop(name, None)
                 health = self._health(name, adapter)
                 state, detail = (INBOUND_OPEN if health.takes_presses else INBOUND_FAILING), health.state
             elif name in self._started:
@@ -498,7 +509,7 @@ class FanOutBus:
                 detail = self._ingress_failed.get(name) or ingress_trouble(adapter) or "it closed"
                 # Down since it was first found so, whatever opens were tried since: an hour's outage of a
                 # platform retried every minute read as a minute's.
-                down = self._down_since.setdefault(name, _kept(since, name, state, now))
+                down = self._down_since.setdefault(name, self._down_before.get(name) or _kept(since, name, state, now))
                 states[name] = InboundState(state, detail, down)
                 continue
             else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from kazma.adapters.bus import InboundState
+from kazma.adapters.bus import INBOUND_NOT_OPEN, InboundState
 from kazma.config.store.backend import StoreConnection, tables_of
 from kazma.config.store.database import Migration
 from kazma.config.store.pg_schema import PgMigration
@@ -92,3 +92,16 @@ class LeaderInboundRecord:
             if int(pid) == lease_pid
         }
         return states, bool(rows)
+
+    async def down_before(self, lease_pid: int) -> dict[str, float]:
+        """Since when each platform's inbound connection was not open, as the leadership before the session
+        ``lease_pid`` last recorded it (the latest change among the other sessions' rows, when that was to "not
+        open"): read by a new leader before its first record forgets those rows."""
+        rows = await self.tables.all(
+            "SELECT platform, state, since FROM leader_inbound WHERE lease_pid <> ?", (lease_pid,)
+        )
+        latest: dict[str, tuple[float, str]] = {}
+        for platform, state, since in rows:
+            if str(platform) not in latest or float(since) > latest[str(platform)][0]:
+                latest[str(platform)] = (float(since), str(state))
+        return {p: since for p, (since, state) in latest.items() if state == INBOUND_NOT_OPEN}

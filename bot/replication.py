@@ -260,6 +260,8 @@ class Replication:
         if pid is None or not holds or not isinstance(self.bus, FanOutBus):
             return
         fresh = pid != self._recorded_on
+        if fresh:  # before this record's forget_ended drops the previous leadership's rows
+            self.bus.inherit_down(await self.inbound_record.down_before(pid))
         now = time.time()
         states = self.bus.inbound_states({} if fresh else self._recorded, now)
         same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}

@@ -750,3 +750,46 @@ async def test_a_writer_whose_own_session_refuses_writes_is_503_and_writes_again
         assert await write() == "taken"  # the first write since, not one after a restart
         status, lines = await healthz(url)
         assert (status, lines[0]) == (200, "ok"), lines
+
+
+async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_down_since_the_old_leader_found_it_so(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telegram's polling ended on leader a (401) and stayed down; the lease went to b, whose own open met the same
+    401. b recorded "not open since" its own failed open: a platform down for an hour across a leader change (a
+    deploy, a restart) read on every replica as down since the change."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # nothing opens it again but a new leader
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
+    async with three_fakes() as fakes, replica(fakes, pg_dsn, "a", tmp_path, monkeypatch) as a:
+        a_replication = a.replication
+        assert a_replication is not None
+        await until(lambda: _true(a_replication.is_leader))
+        assert isinstance(a.stores.pg, PgStore)
+        tables = tables_of(a.stores.pg)
+
+        async def record(of: str) -> list[tuple[str, float]]:
+            rows = await tables.all(
+                "SELECT state, since FROM leader_inbound WHERE platform = 'telegram' AND replica = ?", (of,)
+            )
+            return [(str(s), float(t)) for s, t in rows]
+
+        async def recorded(of: str, state: str) -> bool:
+            return [s for s, _ in await record(of)] == [state]
+
+        await until(lambda: recorded("a", bus.INBOUND_OPEN))
+        async with replica(fakes, pg_dsn, "b", tmp_path, monkeypatch) as b:
+            b_replication = b.replication
+            assert b_replication is not None
+            await fakes.telegram.wait_for_call("getUpdates", answered=False)
+            fakes.telegram.script("getUpdates", *[Fault.server_error(401, "Unauthorized")] * 10_000)
+            fakes.telegram.push_message(TG_CHAT, TG_ADMIN, "wakes the long poll; the next one meets the 401")
+            await until(lambda: recorded("a", bus.INBOUND_NOT_OPEN))
+            [(_, first)] = await record("a")
+            # b's open is refused before its polling begins: never open in between, as a look could otherwise find it
+            fakes.telegram.script("deleteWebhook", *[Fault.server_error(401, "Unauthorized")] * 100)
+            await a_replication.lease.stop()  # a leaves the lease (its session ends); b takes it
+            await until(lambda: _true(b_replication.is_leader))
+            await until(lambda: recorded("b", bus.INBOUND_NOT_OPEN))  # b's own open met the 401 too
+            [(_, since)] = await record("b")
+            assert since == first
