@@ -97,6 +97,9 @@ class Action:
     step: Step | None = None
     text: str = ""
     question: Question | None = None
+    # A hand-off's mark beside its mention ("(try 2 of 3, after: HTTP 503)"): a step handed out again reads as a
+    # retry, with why, not as a duplicate of the first hand-off. Empty on a step's first hand-off.
+    note: str = ""
 
 
 class Dispatcher(Protocol):
@@ -522,7 +525,19 @@ class PlanExecutor:
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
         if failpoints.armed:  # the step is running on disk, nobody was handed it yet
             await self._at("plan.dispatch")
-        return [Action(kind, plan, step, text)]
+        return [Action(kind, plan, step, text, note=self._try_note(step))]
+
+    def _try_note(self, step: Step) -> str:
+        """``(try 2 of 3, after: HTTP 503)`` for a step handed out again; empty for its first hand-off.
+
+        The total is the executor's own tries; a step the lead runs again past them counts on without one. The
+        reason is the last try's failure, kept on the step while it waits to run again, one short line.
+        """
+        if step.attempts <= 1:
+            return ""
+        total = f" of {self.max_attempts}" if step.attempts <= self.max_attempts else ""
+        reason = _short(step.failure_reason)
+        return f"(try {step.attempts}{total}{', after: ' + reason if reason else ''})"
 
     async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
         if not await self.store.set_status(
@@ -715,7 +730,9 @@ class PlanExecutor:
                 candidate = step.spec.model_copy(update={"input": new_input})
                 self._validate([candidate if s.index == index else s.spec for s in plan.steps.values()], plan.goal)
                 await self.store.set_input(plan.id, index, new_input)
-            await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING, failure_reason="")
+            # Its failure reason stays while it waits to run again: its next hand-off says what it is retried after
+            # (a step that then ends done has none; one that fails again has the new one).
+            await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING)
             for dependent in _unblocked(plan, index):
                 await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
             detail = "with new input" if new_input is not None else "as it was"
@@ -936,6 +953,15 @@ def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:
         found |= nxt
         frontier = nxt
     return sorted(i for i in found if plan.steps[i].status is status)
+
+
+NOTE_REASON_LIMIT: Final = 60  # characters of a failure reason in a retried hand-off's note
+
+
+def _short(reason: str, limit: int = NOTE_REASON_LIMIT) -> str:
+    """A failure reason as one short line: its whitespace collapsed, cut with the cut marked."""
+    line = " ".join(reason.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
 
 
 def _seconds(delay: float) -> str:

@@ -827,3 +827,40 @@ async def test_the_last_step_failed_and_undecided_when_kazma_stopped_asks_the_le
         assert loaded.status == "active"
         await ex.lead_decided(plan.id, 2, 1)  # this time the lead gives up: the plan finishes
         assert last_kind(d) is ActionKind.FINISHED
+
+
+def dispatches(d: RecordingDispatcher, plan_id: str) -> list[tuple[int, int, str]]:
+    """Every hand-off of the plan: (step, attempt, the note shown beside its mention)."""
+    return [
+        (a.step.index, a.step.attempts, a.note)
+        for a in d.actions
+        if a.step is not None and a.plan.id == plan_id and a.kind is ActionKind.DISPATCH
+    ]
+
+
+async def test_a_retried_hand_off_says_which_try_it_is_and_after_what(store_engine: Engine) -> None:
+    # The retry's "@researcher …" was the first one word for word: people took it for a duplicate hand-off and
+    # could not tell why the step was handed out again.
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("c", spec(step(1, input="Find the sources.")))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503:\n  service   unavailable", transient=True))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="model timed out " + "x" * 200, transient=True))
+        [first, second, third] = dispatches(d, plan.id)
+        assert first == (1, 1, "")  # a first hand-off is not marked
+        assert second == (1, 2, "(try 2 of 3, after: HTTP 503: service unavailable)")
+        assert third[:2] == (1, 3)
+        assert third[2].startswith("(try 3 of 3, after: model timed out xxx")
+        assert third[2].endswith("…)")  # a short reason, its cut marked
+        assert len(third[2]) < 120
+        handed = [a for a in d.actions if a.kind is ActionKind.DISPATCH]
+        assert {a.text.splitlines()[0] for a in handed} == {"Find the sources."}  # the step's own input each time
+        # Past the executor's own tries the lead may run it again: the try is counted, without a total.
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 502", transient=True), attempt=3)
+        assert d.asked_lead == [(plan.id, 1)]
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4, after: HTTP 502)")
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="found"), attempt=4)
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].failure_reason == ""  # done: the earlier tries' failure is not its story
+
