@@ -97,8 +97,8 @@ class Action:
     step: Step | None = None
     text: str = ""
     question: Question | None = None
-    # A hand-off's mark beside its mention ("(try 2 of 3, after: HTTP 503)"): a step handed out again reads as a
-    # retry, with why, not as a duplicate of the first hand-off. Empty on a step's first hand-off.
+    # A hand-off's mark beside its mention ("(try 2 of 3)"): a step handed out again reads as a retry, not as a
+    # duplicate of the first hand-off. Empty on a step's first hand-off.
     note: str = ""
 
 
@@ -534,16 +534,16 @@ class PlanExecutor:
         return [Action(kind, plan, step, text, note=self._try_note(step))]
 
     def _try_note(self, step: Step) -> str:
-        """``(try 2 of 3, after: HTTP 503)`` for a step handed out again; empty for its first hand-off.
+        """``(try 2 of 3)`` for a step handed out again; empty for its first hand-off.
 
-        The total is the executor's own tries; a step the lead runs again past them counts on without one. The
-        reason is the last try's failure, kept on the step while it waits to run again, one short line.
+        The total is the executor's own tries; a step the lead runs again past them counts on without one. Why it
+        is tried again is the chat's notice before it, never this note: the note is part of the sub-agent's
+        prompt, and a failure's text (a model server's or a tool's words) is no instruction to it.
         """
         if step.attempts <= 1:
             return ""
         total = f" of {self.max_attempts}" if step.attempts <= self.max_attempts else ""
-        reason = _short(step.failure_reason)
-        return f"(try {step.attempts}{total}{', after: ' + reason if reason else ''})"
+        return f"(try {step.attempts}{total})"
 
     def _next_step(self, plan: Plan) -> Step | None:
         """The step to run next: the lowest ready one, while none runs and nobody is asked (one at a time).
@@ -746,9 +746,7 @@ class PlanExecutor:
                 candidate = step.spec.model_copy(update={"input": new_input})
                 self._validate([candidate if s.index == index else s.spec for s in plan.steps.values()], plan.goal)
                 await self.store.set_input(plan.id, index, new_input)
-            # Its failure reason stays while it waits to run again: its next hand-off says what it is retried after
-            # (a step that then ends done has none; one that fails again has the new one).
-            await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING)
+            await self.store.set_status(plan.id, index, StepStatus.FAILED, StepStatus.PENDING, failure_reason="")
             for dependent in _unblocked(plan, index):
                 await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
             detail = "with new input" if new_input is not None else "as it was"
@@ -981,15 +979,6 @@ def _dependents(plan: Plan, index: int, status: StepStatus) -> list[int]:
         found |= nxt
         frontier = nxt
     return sorted(i for i in found if plan.steps[i].status is status)
-
-
-NOTE_REASON_LIMIT: Final = 60  # characters of a failure reason in a retried hand-off's note
-
-
-def _short(reason: str, limit: int = NOTE_REASON_LIMIT) -> str:
-    """A failure reason as one short line: its whitespace collapsed, cut with the cut marked."""
-    line = " ".join(reason.split())
-    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
 
 
 def _seconds(delay: float) -> str:

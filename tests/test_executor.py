@@ -838,7 +838,7 @@ def dispatches(d: RecordingDispatcher, plan_id: str) -> list[tuple[int, int, str
     ]
 
 
-async def test_a_retried_hand_off_says_which_try_it_is_and_after_what(store_engine: Engine) -> None:
+async def test_a_retried_hand_off_says_which_try_it_is_and_nothing_of_the_failures_words(store_engine: Engine) -> None:
     # The retry's "@researcher …" was the first one word for word: people took it for a duplicate hand-off and
     # could not tell why the step was handed out again.
     async with executor(store_engine.where) as (ex, d):
@@ -847,18 +847,15 @@ async def test_a_retried_hand_off_says_which_try_it_is_and_after_what(store_engi
         await ex.complete(plan.id, 1, StepResult(ok=False, error="model timed out " + "x" * 200, transient=True))
         [first, second, third] = dispatches(d, plan.id)
         assert first == (1, 1, "")  # a first hand-off is not marked
-        assert second == (1, 2, "(try 2 of 3, after: HTTP 503: service unavailable)")
-        assert third[:2] == (1, 3)
-        assert third[2].startswith("(try 3 of 3, after: model timed out xxx")
-        assert third[2].endswith("…)")  # a short reason, its cut marked
-        assert len(third[2]) < 120
+        assert second == (1, 2, "(try 2 of 3)")
+        assert third == (1, 3, "(try 3 of 3)")
         handed = [a for a in d.actions if a.kind is ActionKind.DISPATCH]
         assert {a.text.splitlines()[0] for a in handed} == {"Find the sources."}  # the step's own input each time
         # Past the executor's own tries the lead may run it again: the try is counted, without a total.
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 502", transient=True), attempt=3)
         assert d.asked_lead == [(plan.id, 1)]
         await ex.retry_step("c", 1, None, by="agent:kazma")
-        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4, after: HTTP 502)")
+        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4)")
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="found"), attempt=4)
         loaded = await ex.store.load(plan.id)
         assert loaded is not None
@@ -890,7 +887,7 @@ async def test_a_step_waiting_out_its_backoff_lets_a_step_that_does_not_need_it_
         await asyncio.wait_for(waiting, timeout=10)
         assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
         await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
-        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3, after: HTTP 429)")
+        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3)")
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
         assert dispatches(d, plan.id)[-1][:2] == (3, 1)  # step 3 only after step 1, which it needs
         await ex.complete(plan.id, 3, StepResult(ok=True, summary="three"), attempt=1)
@@ -921,7 +918,7 @@ async def test_a_step_in_backoff_does_not_jump_a_step_that_went_on_meanwhile_or_
         [waiting] = ex._waits.values()
         released.set()
         await asyncio.wait_for(waiting, timeout=10)
-        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3, after: HTTP 503)")
+        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3)")
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
         assert last_kind(d) is ActionKind.FINISHED
 
