@@ -512,7 +512,9 @@ class Conversations:
             raise DispatchFailed(
                 f"there is no agent named {assignee!r} in this configuration (workers: {workers})", transient=False
             )
-        text = f"@{assignee} {action.text}".rstrip()
+        # The note ("(try 2 of 3)") sits beside the same mention: people see a retry for what it is,
+        # and the sub-agent is still the one addressed.
+        text = " ".join(part for part in (f"@{assignee}", action.note, action.text) if part).rstrip()
         message_id = await self._say(where, text, agent=self.lead.name)
         if message_id is None:
             raise DispatchFailed(f"the dispatch to @{assignee} could not be posted", transient=True)

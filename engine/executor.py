@@ -97,6 +97,9 @@ class Action:
     step: Step | None = None
     text: str = ""
     question: Question | None = None
+    # A hand-off's mark beside its mention ("(try 2 of 3)"): a step handed out again reads as a retry, not as a
+    # duplicate of the first hand-off. Empty on a step's first hand-off.
+    note: str = ""
 
 
 class Dispatcher(Protocol):
@@ -440,6 +443,17 @@ class PlanExecutor:
                 f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again {when} "
                 f"(attempt {step.attempts + 1} of {self.max_attempts})."
             )
+            waiting = await self.store.load(plan_id)
+            other = None if delay <= 0 or waiting is None else self._next_step(waiting)
+            if other is not None:
+                # what the plan does next (under the same lock) is run that step: said, or "runs again in about 5
+                # seconds" would be wrong by however long the other step takes
+                line = (
+                    f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again "
+                    f"in about {_seconds(delay)} at the earliest (attempt {step.attempts + 1} of "
+                    f"{self.max_attempts}). Meanwhile step {other.index} ({other.spec.title}), which does not need "
+                    f"it, goes on; step {index} waits for it to end."
+                )
             return True, [Action(ActionKind.NOTICE, plan, step, line)]
         reason = result.error or "failed"
         if result.execution is not None and result.execution.changed_state:
@@ -500,14 +514,9 @@ class PlanExecutor:
             await self.store.set_plan_status(plan_id, "finished")
             log.info("plan.finished", plan_id=plan_id)
             return [Action(ActionKind.FINISHED, plan)]
-        if plan.in_progress() or any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
-            return []  # one at a time; a question to a person pauses the plan
-        ready = plan.ready()
-        if not ready:
+        step = self._next_step(plan)
+        if step is None:
             return []
-        step = ready[0]
-        if (plan_id, step.index) in self._waits:
-            return []  # it runs again when its backoff is over (one step at a time, in order)
         if step.spec.assignee == USER:
             return await self._ask_for_user_step(plan, step)
         if not await self.store.set_status(
@@ -522,7 +531,29 @@ class PlanExecutor:
         log.info("plan.step_started", plan_id=plan_id, step=step.index, assignee=step.spec.assignee, kind=kind.value)
         if failpoints.armed:  # the step is running on disk, nobody was handed it yet
             await self._at("plan.dispatch")
-        return [Action(kind, plan, step, text)]
+        return [Action(kind, plan, step, text, note=self._try_note(step))]
+
+    def _try_note(self, step: Step) -> str:
+        """``(try 2 of 3)`` for a step handed out again; empty for its first hand-off.
+
+        The total is the executor's own tries; a step the lead runs again past them counts on without one. Why it
+        is tried again is the chat's notice before it, never this note: the note is part of the sub-agent's
+        prompt, and a failure's text (a model server's or a tool's words) is no instruction to it.
+        """
+        if step.attempts <= 1:
+            return ""
+        total = f" of {self.max_attempts}" if step.attempts <= self.max_attempts else ""
+        return f"(try {step.attempts}{total})"
+
+    def _next_step(self, plan: Plan) -> Step | None:
+        """The step to run next: the lowest ready one, while none runs and nobody is asked (one at a time).
+
+        A step waiting out its backoff runs again when its wait ends (its task moves the plan on then); meanwhile
+        the next ready step that does not need it goes on. The whole plan waited for it, up to two minutes a try.
+        """
+        if plan.in_progress() or any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
+            return None  # one at a time; a question to a person pauses the plan
+        return next((s for s in plan.ready() if (plan.id, s.index) not in self._waits), None)
 
     async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
         if not await self.store.set_status(
@@ -753,6 +784,7 @@ class PlanExecutor:
             old = [s.spec.model_dump(mode="json") for s in plan.steps.values() if s.index >= from_index]
             if not await self.store.replace_pending(plan.id, from_index, new):
                 raise RepairRefused("a step to replace started meanwhile; look at the plan again")
+            self._end_waits(plan.id, {s.index for s in plan.steps.values() if s.index >= from_index})
             await self.store.record(
                 plan.id, "replaced", step=from_index, actor=by, detail=json.dumps({"old": old}, ensure_ascii=False)
             )
@@ -777,6 +809,7 @@ class PlanExecutor:
             )
             if step.status is StepStatus.WAITING_FOR_USER:
                 await self._cancel_questions(plan.id, index)
+            self._end_waits(plan.id, {index})
             for dependent in _unblocked(plan, index):
                 await self.store.set_status(plan.id, dependent, StepStatus.BLOCKED, StepStatus.PENDING)
             await self.store.record(plan.id, "skipped", step=index, actor=by, detail=reason)
@@ -851,6 +884,16 @@ class PlanExecutor:
                 if step.status is StepStatus.WAITING_FOR_USER:
                     await self._cancel_questions(plan.id, step.index)
         await self.store.set_plan_status(plan.id, "aborted")
+        self._end_waits(plan.id)
+
+    def _end_waits(self, plan_id: str, indices: Collection[int] | None = None) -> None:
+        """Backoffs of the plan's steps (``indices``: of these only) end now: nothing runs after them any more.
+
+        A wait left to its end found nothing to run, but held the step's place: a new step at that index
+        (replace_steps) did not start until it ended, and an aborted plan kept a task up to two minutes.
+        """
+        for key in [k for k in self._waits if k[0] == plan_id and (indices is None or k[1] in indices)]:
+            self._waits.pop(key).cancel()
 
     async def _cancel_questions(self, plan_id: str, index: int) -> None:
         for question in await self.store.open_questions():

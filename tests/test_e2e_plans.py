@@ -658,3 +658,8 @@ async def test_a_rate_limited_step_runs_again_after_a_backoff_said_once_in_the_c
         assert loaded.steps[1].attempts == 2
         dispatches = [t for t in texts(fake) if t.startswith("[kazma] @builder")]
         assert len(dispatches) == 2
+        # The second hand-off reads as a retry, not as the first one posted twice; the same mention
+        # still reached the builder (it answered "Deployed." above).
+        assert dispatches[0].startswith("[kazma] @builder Deploy.")
+        assert "(try" not in dispatches[0]
+        assert re.match(r"\[kazma\] @builder \(try 2 of 3\) Deploy\.", dispatches[1])

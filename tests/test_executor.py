@@ -827,3 +827,169 @@ async def test_the_last_step_failed_and_undecided_when_kazma_stopped_asks_the_le
         assert loaded.status == "active"
         await ex.lead_decided(plan.id, 2, 1)  # this time the lead gives up: the plan finishes
         assert last_kind(d) is ActionKind.FINISHED
+
+
+def dispatches(d: RecordingDispatcher, plan_id: str) -> list[tuple[int, int, str]]:
+    """Every hand-off of the plan: (step, attempt, the note shown beside its mention)."""
+    return [
+        (a.step.index, a.step.attempts, a.note)
+        for a in d.actions
+        if a.step is not None and a.plan.id == plan_id and a.kind is ActionKind.DISPATCH
+    ]
+
+
+async def test_a_retried_hand_off_says_which_try_it_is_and_nothing_of_the_failures_words(store_engine: Engine) -> None:
+    # The retry's "@researcher …" was the first one word for word: people took it for a duplicate hand-off and
+    # could not tell why the step was handed out again.
+    async with executor(store_engine.where) as (ex, d):
+        plan = await ex.start("c", spec(step(1, input="Find the sources.")))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503:\n  service   unavailable", transient=True))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="model timed out " + "x" * 200, transient=True))
+        [first, second, third] = dispatches(d, plan.id)
+        assert first == (1, 1, "")  # a first hand-off is not marked
+        assert second == (1, 2, "(try 2 of 3)")
+        assert third == (1, 3, "(try 3 of 3)")
+        handed = [a for a in d.actions if a.kind is ActionKind.DISPATCH]
+        assert {a.text.splitlines()[0] for a in handed} == {"Find the sources."}  # the step's own input each time
+        # Past the executor's own tries the lead may run it again: the try is counted, without a total.
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 502", transient=True), attempt=3)
+        assert d.asked_lead == [(plan.id, 1)]
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4)")
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="found"), attempt=4)
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].failure_reason == ""  # done: the earlier tries' failure is not its story
+
+
+async def test_a_step_waiting_out_its_backoff_lets_a_step_that_does_not_need_it_run(tmp_path: Path) -> None:
+    # While step 1 waited out its backoff (up to two minutes), step 2 — which does not wait for it — waited too.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        released = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await released.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
+        assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]  # step 2 goes on now
+        [notice] = [a.text for a in d.actions if a.kind is ActionKind.NOTICE]
+        assert notice == (
+            "Plan: step 1 (step 1) failed for a passing reason (HTTP 429); it runs again in about 5 seconds at the "
+            "earliest (attempt 2 of 3). Meanwhile step 2 (step 2), which does not need it, goes on; step 1 waits for "
+            "it to end."
+        )
+        [waiting] = ex._waits.values()
+        # Its backoff ends while step 2 runs: still one step at a time, so step 1 waits for step 2 to end.
+        released.set()
+        await asyncio.wait_for(waiting, timeout=10)
+        assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
+        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3)")
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert dispatches(d, plan.id)[-1][:2] == (3, 1)  # step 3 only after step 1, which it needs
+        await ex.complete(plan.id, 3, StepResult(ok=True, summary="three"), attempt=1)
+        assert last_kind(d) is ActionKind.FINISHED
+        assert d.violations == []
+
+
+async def test_a_step_in_backoff_does_not_jump_a_step_that_went_on_meanwhile_or_wait_behind_a_finished_one(
+    tmp_path: Path,
+) -> None:
+    # Step 2 (independent) finishes while step 1 still waits its backoff: nothing else is ready, so nothing runs
+    # until the backoff ends; then step 1 runs, and the plan ends.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        released = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await released.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
+        assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.status == "active"  # not finished: step 1 runs again
+        [waiting] = ex._waits.values()
+        released.set()
+        await asyncio.wait_for(waiting, timeout=10)
+        assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3)")
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert last_kind(d) is ActionKind.FINISHED
+
+
+async def test_aborting_a_plan_ends_a_steps_backoff_at_once(tmp_path: Path) -> None:
+    # A step waiting out its backoff while another ran: the abort must end the wait too, not leave it to fire.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        never = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await never.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        [waiting] = ex._waits.values()
+        assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
+        await ex.abort_plan("c", "enough", by="agent:kazma")
+        assert not ex._waits
+        await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), timeout=10)
+        assert waiting.cancelled()
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.status == "aborted"
+        assert loaded.steps[1].status is StepStatus.SKIPPED
+        assert loaded.steps[2].status is StepStatus.FAILED  # it was running: failed as aborted while it ran
+        assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
+
+
+async def test_a_step_replaced_while_its_old_self_waited_out_a_backoff_starts_without_that_wait(
+    tmp_path: Path,
+) -> None:
+    # The backoff of the step that was replaced held the index: the new step 2 did not start until it ended.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        never = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await never.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2), step(3)))
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=1)
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        [waiting] = ex._waits.values()
+        new = [{"index": 2, "title": "other", "assignee": "builder"}]
+        await ex.replace_steps("c", 2, new, by="agent:kazma")
+        assert dispatches(d, plan.id)[-1] == (2, 1, "")  # the new step 2, handed out at once
+        assert not ex._waits
+        await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), timeout=10)
+        assert waiting.cancelled()
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
+        assert last_kind(d) is ActionKind.FINISHED
+
+
+async def test_skipping_a_step_that_waits_out_its_backoff_ends_the_wait(tmp_path: Path) -> None:
+    # The skipped step's wait lived on (up to two minutes) and then moved a plan on that had nothing left of it.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        never = asyncio.Event()
+
+        async def held(delay: float) -> None:
+            await never.wait()
+
+        ex.sleep = held
+        plan = await ex.start("c", spec(step(1), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        [waiting] = ex._waits.values()
+        await ex.skip_step("c", 1, "not needed after all", by="agent:kazma")
+        assert dispatches(d, plan.id)[-1][:2] == (2, 1)
+        assert not ex._waits
+        await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), timeout=10)
+        assert waiting.cancelled()
