@@ -10,6 +10,7 @@ import json
 import time
 import types
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -402,6 +403,49 @@ async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness:
     await asyncio.to_thread(harness.people[harness.admin].react, ref.chat, ref.message_id, "✅\ufe0f")
     [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
     assert press.data == card.button_data(Decision.APPROVE)
+
+
+async def test_a_reaction_in_another_room_naming_a_card_of_this_one_presses_nothing(harness: MatrixHarness) -> None:
+    """A relation is held to its room only by the sender's own homeserver (Synapse refuses its own users' strays;
+    an event from another server arrives as that server made it). The bot remembered its cards by event id alone:
+    a ✅ in another room naming a card of this one was a press on that card from the other room, which the card's
+    own read there (the homeserver answers 404: no such event in that room) would never have allowed."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)  # in the home room, remembered with its choices
+    assert ref.chat == harness.home
+
+    def from_elsewhere(sync: dict[str, Any]) -> bool:
+        room = ((sync.get("rooms") or {}).get("join") or {}).get(harness.other) or {}
+        events = (room.get("timeline") or {}).get("events") or []
+        if not any((e.get("content") or {}).get("body") == "after the reaction" for e in events):
+            return False
+        relates = {"rel_type": "m.annotation", "event_id": ref.message_id, "key": "✅"}
+        reaction = {"type": "m.reaction", "event_id": "$a-reaction-made-elsewhere", "sender": harness.admin,
+                    "room_id": harness.other, "origin_server_ts": int(time.time() * 1000),
+                    "content": {"m.relates_to": relates}}  # fmt: skip
+        events.insert(0, reaction)
+        return True
+
+    harness.proxy.rewrite("GET", r"/sync$", from_elsewhere)
+    await harness.say(harness.other, harness.admin, "after the reaction")
+    assert await texts_arrived(harness, 1) == ["after the reaction"]
+    assert not harness.proxy.rewrites  # the stray reaction was in that batch, before the message
+    await harness.settled()
+    assert harness.recorder.presses == []
+
+
+async def test_a_reply_in_another_room_to_a_reason_prompt_is_no_reason(harness: MatrixHarness) -> None:
+    """A reply names the event it answers without any room check (``m.in_reply_to`` is no relation to a
+    homeserver): a reply in another room to a reason prompt remembered here was taken as the reason, a Deny from a
+    room where the card never was."""
+    _, _, _, prompt = await _reason_prompted(harness)
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.other, "it drops the prod table", **relates)
+    await harness.say(harness.other, harness.admin, "after the reply")
+    assert await texts_arrived(harness, 2) == ["it drops the prod table", "after the reply"]
+    await harness.settled()
+    assert harness.recorder.presses == []
 
 
 async def card_posted_by_an_earlier_process(harness: MatrixHarness) -> tuple[MatrixAdapter, ApprovalCard, CardRef]:
