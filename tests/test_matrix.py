@@ -5,6 +5,7 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -986,6 +987,27 @@ async def test_a_file_larger_than_one_read_arrives_whole_and_one_too_large_is_re
     assert await first.attachments[0].fetch() == whole
     with pytest.raises(FileTooLarge, match=r"liar\.bin"):
         await liar.attachments[0].fetch()
+
+
+async def test_a_file_whose_media_address_climbs_out_of_the_media_api_is_never_fetched(harness: MatrixHarness) -> None:
+    """A file message's ``url`` is whatever its sender wrote. ``mxc://localhost/../../../../v3/joined_rooms`` was
+    fetched as ``/_matrix/client/v1/media/download/localhost/../../../../v3/joined_rooms``, which the URL resolves
+    to ``/_matrix/client/v3/joined_rooms``: any client API read, with the bot's access token, handed to the agents
+    as the file (the bot's rooms, another room's messages, its account data)."""
+    await harness.start()
+    member = harness.people[harness.member]
+    for climbing in ("mxc://localhost/../../../../v3/joined_rooms", "mxc://../../../../v3/joined_rooms/x"):
+        message = {"msgtype": "m.file", "body": "notes", "filename": "notes.txt", "url": climbing, "info": {"size": 9}}
+        await asyncio.to_thread(member.send, harness.home, message)
+    await harness.say(harness.home, harness.member, "after the files")
+    await harness.recorder.wait_until(lambda: any(i.text == "after the files" for i in harness.recorder.inbound))
+    fetched = []
+    for attachment in (a for i in harness.recorder.inbound for a in i.attachments):
+        with contextlib.suppress(PlatformError):  # a path the homeserver has no answer for
+            fetched.append(await attachment.fetch())
+    assert not any(harness.unserved.encode() in data for data in fetched), fetched
+    assert [i.text for i in harness.recorder.inbound] == ["after the files"]  # files Kazma cannot fetch, as ever
+    assert harness.proxy.count("GET", r"/joined_rooms") == 0
 
 
 async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:

@@ -51,7 +51,7 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted, read_up_to
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
-from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, reply_words
+from kazma.adapters.matrix.inbound import Reaction, media_of, normalise, reaction_of, reply_target, reply_words
 from kazma.adapters.matrix.position import Position, SyncPosition
 from kazma.adapters.matrix.render import (
     CHOICES_KEY,
@@ -825,8 +825,12 @@ class MatrixAdapter(PlatformBase):
     def _fetcher(self, mxc: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
             client = self._api("file_fetch")
-            server, _, media = mxc.removeprefix("mxc://").partition("/")
-            url = f"{self.config.homeserver}/_matrix/client/v1/media/download/{quote(server)}/{quote(media)}"
+            found = media_of(mxc)
+            if found is None:  # never offered as a file (attachment_of): a path out of the media API, refused here too
+                raise self.refuse("file_fetch", "the file's address is not a media address")
+            server, media = found
+            where = f"{quote(server, safe='')}/{quote(media, safe='')}"
+            url = f"{self.config.homeserver}/_matrix/client/v1/media/download/{where}"
             limit = self.files.max_bytes + 1  # one byte more than allowed is enough to refuse it
 
             async def download() -> bytes:
