@@ -790,6 +790,38 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
 
 
+async def test_an_invite_is_judged_by_its_own_event_not_by_the_state_its_inviter_sent_with_it(
+    harness: MatrixHarness,
+) -> None:
+    """An invite comes with the room's "stripped state", which the inviting server supplies unchecked; the
+    homeserver puts the invite itself last. The bot took the first member event for itself it found there: a
+    server inviting from @bob (whom dm_policy refuses) put one saying @alice invited, and the bot joined as for
+    Alice and listed the room as Alice's direct room, where her DM cards (her calls' arguments) would go."""
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    bob = harness.people[harness.member]
+
+    def vouched_for_by_alice(sync: dict[str, Any]) -> bool:
+        for data in ((sync.get("rooms") or {}).get("invite") or {}).values():
+            events = (data.get("invite_state") or {}).get("events") or []
+            mine = [e for e in events if e.get("type") == "m.room.member" and e.get("state_key") == harness.bot.user_id]
+            if mine and mine[-1].get("sender") == bob.user_id:
+                forged = {**mine[-1], "sender": harness.admin, "content": {"membership": "invite", "is_direct": True}}
+                events.insert(0, forged)
+                return True
+        return False
+
+    harness.proxy.rewrite("GET", r"/sync$", vouched_for_by_alice)
+    room = await asyncio.to_thread(bob.create_room, invite=[harness.bot.user_id], direct=True)
+    await harness.say(harness.home, harness.admin, "after the invite")  # its batch is taken after the invite's
+    await texts_arrived(harness, 1)
+    assert not harness.proxy.rewrites  # the forged state came with the invite
+    await harness.settled()
+    joined = await asyncio.to_thread(harness.bot.request, "GET", "/_matrix/client/v3/joined_rooms")
+    assert room not in joined["joined_rooms"]
+    direct = await asyncio.to_thread(harness.bot.account_data, "m.direct") or {}
+    assert room not in direct.get(harness.admin, [])
+
+
 DIRECT_LIST = r"/account_data/m\.direct$"
 
 

@@ -449,9 +449,14 @@ class MatrixAdapter(PlatformBase):
         invites = (batch.get("rooms") or {}).get("invite") or {}
         for room, data in invites.items():
             states = ((data or {}).get("invite_state") or {}).get("events") or []
+            # The invite itself is the last member event for the bot: the homeserver appends it to the stripped
+            # state, which the inviting server supplies unchecked (a member event of its own making, "sent" by
+            # anyone, may come before it). Taken from the front, a server inviting from someone dm_policy refuses
+            # had the bot join as for someone it allows, and list the room as that person's direct room.
             mine: dict[str, Any] = next(
-                (e for e in states if e.get("type") == "m.room.member" and e.get("state_key") == self.user_id), {}
-            )
+                (e for e in reversed(states) if isinstance(e, dict) and e.get("type") == "m.room.member"
+                 and e.get("state_key") == self.user_id), {}
+            )  # fmt: skip
             inviter = str(mine.get("sender", ""))
             direct = bool((mine.get("content") or {}).get("is_direct"))
             listed = room in self.served.chats or room == self.served.home
