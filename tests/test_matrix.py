@@ -822,6 +822,22 @@ async def test_an_invite_is_judged_by_its_own_event_not_by_the_state_its_inviter
     assert room not in direct.get(harness.admin, [])
 
 
+async def test_a_dm_card_never_goes_to_a_direct_room_its_person_has_left(harness: MatrixHarness) -> None:
+    """The account's direct-room list keeps a room after its person leaves it (or declines the bot's invitation):
+    every later DM card for them was posted there, where nobody who may decide it would ever see it."""
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    carol = harness.server.register("carol")
+    first = await adapter.direct_chat(carol.user_id)  # a new room, carol invited
+    assert await adapter.direct_chat(carol.user_id) == first  # invited: still hers
+    await asyncio.to_thread(carol.request, "POST", f"/_matrix/client/v3/rooms/{quote(first)}/leave", {})
+    second = await adapter.direct_chat(carol.user_id)
+    assert second != first
+    member = f"/_matrix/client/v3/rooms/{quote(second)}/state/m.room.member/{quote(carol.user_id)}"
+    assert (await asyncio.to_thread(harness.bot.request, "GET", member))["membership"] == "invite"
+    assert await adapter.direct_chat(carol.user_id) == second
+
+
 DIRECT_LIST = r"/account_data/m\.direct$"
 
 

@@ -35,7 +35,7 @@ from urllib.parse import quote
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
-from mautrix.errors import MNotFound
+from mautrix.errors import MForbidden, MNotFound
 from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
@@ -497,16 +497,19 @@ class MatrixAdapter(PlatformBase):
 
     async def direct_chat(self, user: str) -> str:
         """The bot's direct room with ``user`` (a policy's DM card): the first one the account's ``m.direct``
-        names for them, else a new private room with them invited, recorded there so every client and the next
-        card find the same one."""
+        names for them that they are still in (or invited to), else a new private room with them invited,
+        recorded there so every client and the next card find the same one."""
         client = self._api("card_dm")
         async with self._opening_direct:
             # A list that cannot be read fails the card's post (tried again): taken for "no direct rooms", it
             # opened a second room with the person each time, and the list written back lost everyone else's.
             current = await self.call("card_dm", None, lambda: _direct_rooms(client), paced=False)
             known = [str(room) for room in current.get(user, [])] or self._opened.get(user, [])
-            if known:
-                return known[0]
+            for room in known:
+                # The list keeps a room its person left (or whose invitation they declined): a card there is
+                # seen by nobody who may decide it.
+                if await self.call("card_dm", None, self._in_room(client, room, user), paced=False):
+                    return room
             room = await self.call("card_dm", None, lambda: client.create_room(
                 preset=RoomCreatePreset.TRUSTED_PRIVATE, is_direct=True, invitees=[UserID(user)]
             ))  # fmt: skip
@@ -514,6 +517,20 @@ class MatrixAdapter(PlatformBase):
             await self._remember_direct(client, user, str(room))
             log.info("matrix.direct_opened", room=str(room), user=user)
             return str(room)
+
+    @staticmethod
+    def _in_room(client: ClientAPI, room: str, user: str) -> Callable[[], Awaitable[bool]]:
+        """Whether ``user`` is in ``room`` or invited to it; a room the bot itself is no longer in is nobody's."""
+
+        async def present() -> bool:
+            path = Path.v3.rooms[RoomID(room)].state["m.room.member"][user]
+            try:
+                member = await client.api.request(Method.GET, path)
+            except (MNotFound, MForbidden):
+                return False
+            return member.get("membership") in ("join", "invite")
+
+        return present
 
     async def _remember_direct(self, client: ClientAPI, user: str, room: str) -> None:
         """Add ``room`` to the account's direct rooms (``m.direct``), read first so that every other entry is kept:
