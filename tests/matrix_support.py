@@ -37,7 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -389,6 +389,8 @@ class FaultProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.faults: list[_Fault] = []
+        # answers changed on their way back: (method, path pattern, change), the change saying whether it applied
+        self.rewrites: list[tuple[str, re.Pattern[str], Callable[[Any], bool]]] = []
         self.seen: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self._runner: web.AppRunner | None = None
         self._client: httpx.AsyncClient | None = None
@@ -400,6 +402,11 @@ class FaultProxy:
         """The next ``times`` matching requests are answered ``status`` (None: never answered); ``after``: each is
         forwarded first (it takes effect on the homeserver) and only its answer is lost."""
         self.faults.append(_Fault(method, re.compile(pattern), status, retry_after_ms, times, after))
+
+    def rewrite(self, method: str, pattern: str, change: Callable[[Any], bool]) -> None:
+        """Each matching JSON answer goes through ``change`` (which edits it in place) until one call returns True:
+        what a homeserver passes on from elsewhere without checking it (a federated server's event), on demand."""
+        self.rewrites.append((method, re.compile(pattern), change))
 
     def count(self, method: str, pattern: str) -> int:
         matcher = re.compile(pattern)
@@ -422,9 +429,9 @@ class FaultProxy:
                 else:
                     body = {"errcode": "M_UNKNOWN", "error": "Internal server error"}
                 return web.json_response(body, status=fault.status)
-        return await self._forward(request)
+        return await self._forward(request, rewrite=True)
 
-    async def _forward(self, request: web.Request) -> web.Response:
+    async def _forward(self, request: web.Request, *, rewrite: bool = False) -> web.Response:
         assert self._client is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}}
         answer = await self._client.request(
@@ -432,7 +439,15 @@ class FaultProxy:
         )
         drop = {"content-length", "transfer-encoding", "content-encoding", "connection"}
         kept = {k: v for k, v in answer.headers.items() if k.lower() not in drop}
-        return web.Response(body=answer.content, status=answer.status_code, headers=kept)
+        body = answer.content
+        for entry in list(self.rewrites) if rewrite and answer.status_code == 200 else ():
+            method, pattern, change = entry
+            if method == request.method and pattern.search(request.rel_url.path):
+                payload = json.loads(body)
+                if change(payload):
+                    self.rewrites.remove(entry)
+                    body = json.dumps(payload).encode()
+        return web.Response(body=body, status=answer.status_code, headers=kept)
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=120.0)

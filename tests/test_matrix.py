@@ -5,11 +5,13 @@ and ``kazma doctor``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 import types
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -404,6 +406,49 @@ async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness:
     assert press.data == card.button_data(Decision.APPROVE)
 
 
+async def test_a_reaction_in_another_room_naming_a_card_of_this_one_presses_nothing(harness: MatrixHarness) -> None:
+    """A relation is held to its room only by the sender's own homeserver (Synapse refuses its own users' strays;
+    an event from another server arrives as that server made it). The bot remembered its cards by event id alone:
+    a ✅ in another room naming a card of this one was a press on that card from the other room, which the card's
+    own read there (the homeserver answers 404: no such event in that room) would never have allowed."""
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/x"})
+    ref = await adapter.post_card(card)  # in the home room, remembered with its choices
+    assert ref.chat == harness.home
+
+    def from_elsewhere(sync: dict[str, Any]) -> bool:
+        room = ((sync.get("rooms") or {}).get("join") or {}).get(harness.other) or {}
+        events = (room.get("timeline") or {}).get("events") or []
+        if not any((e.get("content") or {}).get("body") == "after the reaction" for e in events):
+            return False
+        relates = {"rel_type": "m.annotation", "event_id": ref.message_id, "key": "✅"}
+        reaction = {"type": "m.reaction", "event_id": "$a-reaction-made-elsewhere", "sender": harness.admin,
+                    "room_id": harness.other, "origin_server_ts": int(time.time() * 1000),
+                    "content": {"m.relates_to": relates}}  # fmt: skip
+        events.insert(0, reaction)
+        return True
+
+    harness.proxy.rewrite("GET", r"/sync$", from_elsewhere)
+    await harness.say(harness.other, harness.admin, "after the reaction")
+    assert await texts_arrived(harness, 1) == ["after the reaction"]
+    assert not harness.proxy.rewrites  # the stray reaction was in that batch, before the message
+    await harness.settled()
+    assert harness.recorder.presses == []
+
+
+async def test_a_reply_in_another_room_to_a_reason_prompt_is_no_reason(harness: MatrixHarness) -> None:
+    """A reply names the event it answers without any room check (``m.in_reply_to`` is no relation to a
+    homeserver): a reply in another room to a reason prompt remembered here was taken as the reason, a Deny from a
+    room where the card never was."""
+    _, _, _, prompt = await _reason_prompted(harness)
+    relates = {"m.relates_to": {"m.in_reply_to": {"event_id": prompt}}}
+    await asyncio.to_thread(harness.people[harness.admin].say, harness.other, "it drops the prod table", **relates)
+    await harness.say(harness.other, harness.admin, "after the reply")
+    assert await texts_arrived(harness, 2) == ["it drops the prod table", "after the reply"]
+    await harness.settled()
+    assert harness.recorder.presses == []
+
+
 async def card_posted_by_an_earlier_process(harness: MatrixHarness) -> tuple[MatrixAdapter, ApprovalCard, CardRef]:
     """A card posted, then a new process (the adapter started again): it must read the card on the homeserver to
     know which reaction means what."""
@@ -745,6 +790,54 @@ async def test_the_bot_joins_a_direct_room_only_from_someone_dm_policy_allows(ha
     assert allowed in direct[harness.admin]  # kept with the account, as clients keep direct rooms
 
 
+async def test_an_invite_is_judged_by_its_own_event_not_by_the_state_its_inviter_sent_with_it(
+    harness: MatrixHarness,
+) -> None:
+    """An invite comes with the room's "stripped state", which the inviting server supplies unchecked; the
+    homeserver puts the invite itself last. The bot took the first member event for itself it found there: a
+    server inviting from @bob (whom dm_policy refuses) put one saying @alice invited, and the bot joined as for
+    Alice and listed the room as Alice's direct room, where her DM cards (her calls' arguments) would go."""
+    await harness.start(direct=DirectPolicy.of([f"matrix:{harness.admin}"], ()))
+    bob = harness.people[harness.member]
+
+    def vouched_for_by_alice(sync: dict[str, Any]) -> bool:
+        for data in ((sync.get("rooms") or {}).get("invite") or {}).values():
+            events = (data.get("invite_state") or {}).get("events") or []
+            mine = [e for e in events if e.get("type") == "m.room.member" and e.get("state_key") == harness.bot.user_id]
+            if mine and mine[-1].get("sender") == bob.user_id:
+                forged = {**mine[-1], "sender": harness.admin, "content": {"membership": "invite", "is_direct": True}}
+                events.insert(0, forged)
+                return True
+        return False
+
+    harness.proxy.rewrite("GET", r"/sync$", vouched_for_by_alice)
+    room = await asyncio.to_thread(bob.create_room, invite=[harness.bot.user_id], direct=True)
+    await harness.say(harness.home, harness.admin, "after the invite")  # its batch is taken after the invite's
+    await texts_arrived(harness, 1)
+    assert not harness.proxy.rewrites  # the forged state came with the invite
+    await harness.settled()
+    joined = await asyncio.to_thread(harness.bot.request, "GET", "/_matrix/client/v3/joined_rooms")
+    assert room not in joined["joined_rooms"]
+    direct = await asyncio.to_thread(harness.bot.account_data, "m.direct") or {}
+    assert room not in direct.get(harness.admin, [])
+
+
+async def test_a_dm_card_never_goes_to_a_direct_room_its_person_has_left(harness: MatrixHarness) -> None:
+    """The account's direct-room list keeps a room after its person leaves it (or declines the bot's invitation):
+    every later DM card for them was posted there, where nobody who may decide it would ever see it."""
+    adapter = await harness.start()
+    assert isinstance(adapter, MatrixAdapter)
+    carol = harness.server.register("carol")
+    first = await adapter.direct_chat(carol.user_id)  # a new room, carol invited
+    assert await adapter.direct_chat(carol.user_id) == first  # invited: still hers
+    await asyncio.to_thread(carol.request, "POST", f"/_matrix/client/v3/rooms/{quote(first)}/leave", {})
+    second = await adapter.direct_chat(carol.user_id)
+    assert second != first
+    member = f"/_matrix/client/v3/rooms/{quote(second)}/state/m.room.member/{quote(carol.user_id)}"
+    assert (await asyncio.to_thread(harness.bot.request, "GET", member))["membership"] == "invite"
+    assert await adapter.direct_chat(carol.user_id) == second
+
+
 DIRECT_LIST = r"/account_data/m\.direct$"
 
 
@@ -942,6 +1035,27 @@ async def test_a_file_larger_than_one_read_arrives_whole_and_one_too_large_is_re
     assert await first.attachments[0].fetch() == whole
     with pytest.raises(FileTooLarge, match=r"liar\.bin"):
         await liar.attachments[0].fetch()
+
+
+async def test_a_file_whose_media_address_climbs_out_of_the_media_api_is_never_fetched(harness: MatrixHarness) -> None:
+    """A file message's ``url`` is whatever its sender wrote. ``mxc://localhost/../../../../v3/joined_rooms`` was
+    fetched as ``/_matrix/client/v1/media/download/localhost/../../../../v3/joined_rooms``, which the URL resolves
+    to ``/_matrix/client/v3/joined_rooms``: any client API read, with the bot's access token, handed to the agents
+    as the file (the bot's rooms, another room's messages, its account data)."""
+    await harness.start()
+    member = harness.people[harness.member]
+    for climbing in ("mxc://localhost/../../../../v3/joined_rooms", "mxc://../../../../v3/joined_rooms/x"):
+        message = {"msgtype": "m.file", "body": "notes", "filename": "notes.txt", "url": climbing, "info": {"size": 9}}
+        await asyncio.to_thread(member.send, harness.home, message)
+    await harness.say(harness.home, harness.member, "after the files")
+    await harness.recorder.wait_until(lambda: any(i.text == "after the files" for i in harness.recorder.inbound))
+    fetched = []
+    for attachment in (a for i in harness.recorder.inbound for a in i.attachments):
+        with contextlib.suppress(PlatformError):  # a path the homeserver has no answer for
+            fetched.append(await attachment.fetch())
+    assert not any(harness.unserved.encode() in data for data in fetched), fetched
+    assert [i.text for i in harness.recorder.inbound] == ["after the files"]  # files Kazma cannot fetch, as ever
+    assert harness.proxy.count("GET", r"/joined_rooms") == 0
 
 
 async def test_a_notice_is_a_bots_message(harness: MatrixHarness) -> None:

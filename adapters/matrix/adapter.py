@@ -35,7 +35,7 @@ from urllib.parse import quote
 import structlog
 from mautrix.api import Method, Path
 from mautrix.client import ClientAPI
-from mautrix.errors import MNotFound
+from mautrix.errors import MForbidden, MNotFound
 from mautrix.types import RoomCreatePreset, RoomID, UserID
 
 from kazma.adapters.card_layout import LaidOut, agent_prefix
@@ -51,7 +51,7 @@ from kazma.adapters.deny_reason import (
 from kazma.adapters.kit import InboundStreak, KitOptions, PlatformBase, Posted, read_up_to
 from kazma.adapters.matrix.client import close_client, long_poll, make_client
 from kazma.adapters.matrix.errors import ENCRYPTED_NOTICE, PLATFORM, classify
-from kazma.adapters.matrix.inbound import Reaction, normalise, reaction_of, reply_target, reply_words
+from kazma.adapters.matrix.inbound import Reaction, media_of, normalise, reaction_of, reply_target, reply_words
 from kazma.adapters.matrix.position import Position, SyncPosition
 from kazma.adapters.matrix.render import (
     CHOICES_KEY,
@@ -148,6 +148,12 @@ OTHERS_KEPT: Final = 10_000
 # press (its content carries its choices): one read, the press the same.
 CHOICES_KEPT: Final = 10_000
 
+# What the caches of the bot's own events are keyed by: the room and the event. A reaction or a reply names its
+# event by id alone, and only the sender's homeserver holds it to its room (a federated server's event arrives as
+# that server made it; a reply is no relation, checked by nobody): keyed by id alone, a card or a prompt remembered
+# in one room answered for an event in another, where reading it (in that room) finds nothing.
+_Where = tuple[str, str]
+
 
 @dataclass(frozen=True)
 class _Prompt:
@@ -221,8 +227,8 @@ class MatrixAdapter(PlatformBase):
         self._direct: set[str] = set()  # rooms that are direct chats of the bot's account (m.direct)
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         # the bot's own events with choices: key -> data (least recently used first, see CHOICES_KEPT)
-        self._choices: OrderedDict[str, dict[str, str]] = OrderedDict()
-        self._prompts: dict[str, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
+        self._choices: OrderedDict[_Where, dict[str, str]] = OrderedDict()
+        self._prompts: dict[_Where, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
         self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
         self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
         self._taking: dict[str, _Taking] = {}  # presses handed over, by key: the sync waits for their decision
@@ -443,9 +449,14 @@ class MatrixAdapter(PlatformBase):
         invites = (batch.get("rooms") or {}).get("invite") or {}
         for room, data in invites.items():
             states = ((data or {}).get("invite_state") or {}).get("events") or []
+            # The invite itself is the last member event for the bot: the homeserver appends it to the stripped
+            # state, which the inviting server supplies unchecked (a member event of its own making, "sent" by
+            # anyone, may come before it). Taken from the front, a server inviting from someone dm_policy refuses
+            # had the bot join as for someone it allows, and list the room as that person's direct room.
             mine: dict[str, Any] = next(
-                (e for e in states if e.get("type") == "m.room.member" and e.get("state_key") == self.user_id), {}
-            )
+                (e for e in reversed(states) if isinstance(e, dict) and e.get("type") == "m.room.member"
+                 and e.get("state_key") == self.user_id), {}
+            )  # fmt: skip
             inviter = str(mine.get("sender", ""))
             direct = bool((mine.get("content") or {}).get("is_direct"))
             listed = room in self.served.chats or room == self.served.home
@@ -486,16 +497,19 @@ class MatrixAdapter(PlatformBase):
 
     async def direct_chat(self, user: str) -> str:
         """The bot's direct room with ``user`` (a policy's DM card): the first one the account's ``m.direct``
-        names for them, else a new private room with them invited, recorded there so every client and the next
-        card find the same one."""
+        names for them that they are still in (or invited to), else a new private room with them invited,
+        recorded there so every client and the next card find the same one."""
         client = self._api("card_dm")
         async with self._opening_direct:
             # A list that cannot be read fails the card's post (tried again): taken for "no direct rooms", it
             # opened a second room with the person each time, and the list written back lost everyone else's.
             current = await self.call("card_dm", None, lambda: _direct_rooms(client), paced=False)
             known = [str(room) for room in current.get(user, [])] or self._opened.get(user, [])
-            if known:
-                return known[0]
+            for room in known:
+                # The list keeps a room its person left (or whose invitation they declined): a card there is
+                # seen by nobody who may decide it.
+                if await self.call("card_dm", None, self._in_room(client, room, user), paced=False):
+                    return room
             room = await self.call("card_dm", None, lambda: client.create_room(
                 preset=RoomCreatePreset.TRUSTED_PRIVATE, is_direct=True, invitees=[UserID(user)]
             ))  # fmt: skip
@@ -503,6 +517,20 @@ class MatrixAdapter(PlatformBase):
             await self._remember_direct(client, user, str(room))
             log.info("matrix.direct_opened", room=str(room), user=user)
             return str(room)
+
+    @staticmethod
+    def _in_room(client: ClientAPI, room: str, user: str) -> Callable[[], Awaitable[bool]]:
+        """Whether ``user`` is in ``room`` or invited to it; a room the bot itself is no longer in is nobody's."""
+
+        async def present() -> bool:
+            path = Path.v3.rooms[RoomID(room)].state["m.room.member"][user]
+            try:
+                member = await client.api.request(Method.GET, path)
+            except (MNotFound, MForbidden):
+                return False
+            return member.get("membership") in ("join", "invite")
+
+        return present
 
     async def _remember_direct(self, client: ClientAPI, user: str, room: str) -> None:
         """Add ``room`` to the account's direct rooms (``m.direct``), read first so that every other entry is kept:
@@ -599,9 +627,9 @@ class MatrixAdapter(PlatformBase):
         pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
         again rather than dropped (the homeserver would not take the same reaction from that person twice), up to
         :attr:`card_read_tries` times for one card; then the reaction is passed by, counted."""
-        known = self._choices.get(event_id)
+        known = self._choices.get((room, event_id))
         if known is not None:
-            self._choices.move_to_end(event_id)  # pressed: a card in use is the last forgotten
+            self._choices.move_to_end((room, event_id))  # pressed: a card in use is the last forgotten
             return known
         content = await self._own_event(room, event_id, "press")
         if content is None:
@@ -612,14 +640,14 @@ class MatrixAdapter(PlatformBase):
             for c in (listed if isinstance(listed, list) else [])
             if isinstance(c, dict) and "key" in c and "data" in c
         }
-        self._remember_choices(event_id, found)
+        self._remember_choices(room, event_id, found)
         return found
 
-    def _remember_choices(self, event_id: str, choices: dict[str, str]) -> None:
+    def _remember_choices(self, room: str, event_id: str, choices: dict[str, str]) -> None:
         """Remember ``event_id``'s choices; past :data:`CHOICES_KEPT`, forget the least recently used: unbounded,
         the table held every card and question the bot ever posted (or anyone reacted to) until a restart."""
-        self._choices[event_id] = choices
-        self._choices.move_to_end(event_id)
+        self._choices[(room, event_id)] = choices
+        self._choices.move_to_end((room, event_id))
         while len(self._choices) > CHOICES_KEPT:
             self._choices.popitem(last=False)
 
@@ -659,9 +687,10 @@ class MatrixAdapter(PlatformBase):
 
         The prompt carries what it asks (:data:`PROMPT_KEY`), so the process that posted it, the same one after a
         restart, or another replica reads a reply to it alike; nothing about it lives only in memory."""
-        if event_id in self._prompts:
-            return self._prompts[event_id]
-        if self._choices.get(event_id):
+        where = (room, event_id)
+        if where in self._prompts:
+            return self._prompts[where]
+        if self._choices.get(where):
             # A card. Not any event of the bot's a reaction was read on: a prompt someone reacted to is remembered
             # there with no choices, and taken for a card its presser's reply was chat for the agents, not a reason.
             return None
@@ -669,7 +698,7 @@ class MatrixAdapter(PlatformBase):
         prompt = None if content is None else _Prompt.of(content.get(PROMPT_KEY))
         while len(self._prompts) >= PROMPTS_KEPT:
             del self._prompts[next(iter(self._prompts))]
-        self._prompts[event_id] = prompt
+        self._prompts[where] = prompt
         return prompt
 
     async def _reaction(self, room: str, reaction: Reaction) -> bool:
@@ -761,7 +790,7 @@ class MatrixAdapter(PlatformBase):
             return
         self._prompt_failures.forget(reaction.event_id)
         if not again:  # else the prompt may be an earlier try's, whose window the event itself says
-            self._prompts[posted] = prompt
+            self._prompts[(room, posted)] = prompt
 
     async def _reason_given(self, room: str, event: dict[str, Any], prompt: _Prompt) -> bool:
         """A reply to a reason prompt, never chat for the agents: the presser's words in time deny the request
@@ -818,8 +847,12 @@ class MatrixAdapter(PlatformBase):
     def _fetcher(self, mxc: str) -> Callable[[], Awaitable[bytes]]:
         async def fetch() -> bytes:
             client = self._api("file_fetch")
-            server, _, media = mxc.removeprefix("mxc://").partition("/")
-            url = f"{self.config.homeserver}/_matrix/client/v1/media/download/{quote(server)}/{quote(media)}"
+            found = media_of(mxc)
+            if found is None:  # never offered as a file (attachment_of): a path out of the media API, refused here too
+                raise self.refuse("file_fetch", "the file's address is not a media address")
+            server, media = found
+            where = f"{quote(server, safe='')}/{quote(media, safe='')}"
+            url = f"{self.config.homeserver}/_matrix/client/v1/media/download/{where}"
             limit = self.files.max_bytes + 1  # one byte more than allowed is enough to refuse it
 
             async def download() -> bytes:
@@ -864,7 +897,7 @@ class MatrixAdapter(PlatformBase):
         content = message_content(f"{body}\n{said}" if said else body, None, made, notice=False)
         _in_thread(content, thread)
         event_id = await self.call("send", chat, lambda: self._send(client, chat, content))
-        self._remember_choices(event_id, {same_key(c.key): c.data for c in made})
+        self._remember_choices(chat, event_id, {same_key(c.key): c.data for c in made})
         self.spawn(self._offer(client, chat, event_id, made), name=f"matrix-offer-{event_id}")
         return event_id
 
@@ -915,7 +948,7 @@ class MatrixAdapter(PlatformBase):
         # One transaction id per card and room: a post tried again (a lost answer) is the same event.
         txn = f"kazma-card-{card.request_id}-{_short(chat)}"
         event_id = await self.call("card_post", chat, lambda: self._send(client, chat, written.content(), txn=txn))
-        self._remember_choices(event_id, {same_key(c.key): c.data for c in written.choices})
+        self._remember_choices(chat, event_id, {same_key(c.key): c.data for c in written.choices})
         # After the post, not inside it: the card is out once it is posted, and the reactions follow it.
         self.spawn(self._offer(client, chat, event_id, written.choices), name=f"matrix-offer-{event_id}")
         return Posted(chat, event_id)
@@ -923,9 +956,9 @@ class MatrixAdapter(PlatformBase):
     async def _edit_card(
         self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
     ) -> bool:
-        if settled and ref.message_id in self._choices:
+        if settled and (ref.chat, ref.message_id) in self._choices:
             # Its request is decided: a press on it only learns so, and a read of the card finds it again.
-            self._choices.move_to_end(ref.message_id, last=False)
+            self._choices.move_to_end((ref.chat, ref.message_id), last=False)
         client = self._api(site)
         written: MatrixCard = laid.written
         content = edit_content(written, laid.view, ref.message_id)

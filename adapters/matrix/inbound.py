@@ -4,6 +4,7 @@ files. Payload translation only (events are the client-server API's JSON); the a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -18,6 +19,11 @@ FILE_TYPES: Final = frozenset({"m.file", "m.image", "m.audio", "m.video"})
 ENCRYPTED: Final = "m.room.encrypted"
 
 Fetcher = Callable[[str], Callable[[], Awaitable[bytes]]]
+# An mxc:// address as the spec writes it: a server name (a host name, an IPv4 or a bracketed IPv6 address, a port)
+# and a media id of letters, digits, "_" and "-". Anything else is a sender's own text, and put into the download
+# path it could climb out of the media API ("../"): any client API read, with the bot's access token.
+_SERVER_NAME: Final = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+_MEDIA_ID: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,21 @@ def is_edit(content: dict[str, Any]) -> bool:
     return relation(content).get("rel_type") == "m.replace"
 
 
+def media_of(url: str) -> tuple[str, str] | None:
+    """The server name and media id of an ``mxc://`` address, or None when it is not one the spec allows."""
+    if not url.startswith("mxc://"):
+        return None
+    server, _, media = url.removeprefix("mxc://").partition("/")
+    if _SERVER_NAME.fullmatch(server) is None or _MEDIA_ID.fullmatch(media) is None:
+        return None
+    return server, media
+
+
 def attachment_of(content: dict[str, Any], fetcher: Fetcher) -> Attachment | None:
     """A file message's file: its name (``filename``, else the body), declared size and media URL."""
     url = content.get("url")
-    if not isinstance(url, str) or not url.startswith("mxc://"):
-        return None  # an encrypted file (``file``) or a broken one: nothing Kazma can fetch
+    if not isinstance(url, str) or media_of(url) is None:
+        return None  # an encrypted file (``file``) or a broken or forged address: nothing Kazma can fetch
     info = content.get("info") if isinstance(content.get("info"), dict) else {}
     size = info.get("size") if isinstance(info, dict) else None
     name = content.get("filename") or content.get("body") or "file"
