@@ -15,7 +15,11 @@ shows and with what is wrong:
   past the end of the log; or (verifying the store) a request's row records an outcome, or its opening, whose
   event is not in the log: the events that recorded it were cut, with the checkpoints that signed them;
 * ``bad signature``: a checkpoint whose signature does not verify with the public
-  keys given (or that is not signed at all).
+  keys given (or that is not signed at all);
+* ``decision seal`` (verifying the store, with its decision key): a request the log says ended whose row's decision
+  seal does not verify, is missing, or cannot be checked here; or whose row is gone, or says it is pending again.
+  The chain proves the log; what a row says beyond its status and decider (the call approved, where, when, the
+  person) only its seal binds.
 
 :attr:`Report.first` is the problem with the lowest sequence number: the first
 bad sequence number. Nothing here needs a secret: only the public keys.
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 
 from kazma.approvals.chain import GENESIS, ChainedEvent
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeys
+from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
+from kazma.config.keyring import Keyring
 
 CHANGED = "changed"
 MISSING = "missing"
@@ -38,6 +45,8 @@ INSERTED = "inserted"
 UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
+SEAL = "decision seal"
+SEALS_NAMED = 100  # requests named whose seal does not hold (a forger's bulk rewrite leaves many alike)
 
 # SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX"). The hex is
 # checked for its length apart, so a short one is told why.
@@ -154,6 +163,7 @@ class Report:
     # signatures prove then covers the log from its beginning. Else a slice: its first link is taken as given.
     from_start: bool = True
     problems: list[Problem] = field(default_factory=list)
+    seals: Seals | None = None  # the decision seals judged (verifying the store), None where there are none to judge
 
     @property
     def ok(self) -> bool:
@@ -188,6 +198,100 @@ class Report:
             f"ok: {self.events} events (seq {span}) chained, {self.checkpoints} checkpoints signed; "
             f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}; {start}"
         )
+
+
+class Seals:
+    """The decision seals of every request the log says ended, judged a page at a time as the store is read: only
+    the first :data:`SEALS_NAMED` problems are kept, the rest counted.
+
+    Which rows must carry a seal is the chain's to say, not the store's: a decision whose ending event was chained
+    after the history checkpoint (every one, where the log has none) was made by a Kazma that sealed every outcome.
+    The schema row that says when seals began is in the store too, so the forger who takes a seal off moves it."""
+
+    def __init__(self, keyring: Keyring | None, history: Checkpoint | None, sealed_since: float | None) -> None:
+        self.keyring = keyring
+        self.history = history
+        self.sealed_since = sealed_since
+        self.verified = 0
+        self.historic = 0  # decided before seals (in the history, and before they began): they can never run
+        self.problems: list[Problem] = []
+        self.more = 0
+        self.unknown = 0  # sealed with a key not held here (or no decision key here): not checked
+        self.first_unknown: Problem | None = None
+
+    def _bad(self, seq: int, detail: str) -> None:
+        if len(self.problems) < SEALS_NAMED:
+            self.problems.append(Problem(seq, SEAL, detail))
+        else:
+            self.more += 1
+
+    def judge(self, seq: int, request_id: str, row: ApprovalRequest | None) -> None:
+        """``request_id``'s row (None: there is none) against its first ending event, at ``seq``."""
+        if row is None:
+            self._bad(seq, f"request {request_id}'s row is gone, but the audit log records its ending event: "
+                      "deleted around Kazma")  # fmt: skip
+            return
+        if row.status is Status.PENDING:
+            self._bad(
+                seq,
+                f"request {request_id}'s row says pending, but the audit log records its ending event: the row was "
+                "changed around Kazma, so that it can be decided again",
+            )
+            return
+        who = f"{row.status.value} by {row.decided_by}" if row.decided_by else row.status.value
+        if row.decision_mac is None and self._historic(seq, row):
+            self.historic += 1
+            return
+        if row.decision_mac is None:
+            self._bad(
+                seq,
+                f"request {request_id} ({who}): it carries no decision seal, but its ending event was recorded after "
+                "Kazma sealed every outcome: the seal was taken off around Kazma, or the row written there",
+            )
+            return
+        problem = seal_problem(self.keyring, row)
+        if problem is None:
+            self.verified += 1
+        elif problem.site == KEY_UNKNOWN:
+            self.unknown += 1
+            if self.first_unknown is None:
+                self.first_unknown = Problem(seq, SEAL, f"request {request_id} ({who}): {problem.detail}")
+        else:
+            self._bad(seq, f"request {request_id} ({who}): {problem.detail}")
+
+    def unreadable(self, seq: int, request_id: str, columns: Sequence[str]) -> None:
+        self._bad(
+            seq,
+            f"request {request_id}'s row cannot be read (a text in {', '.join(columns)} is not UTF-8): written "
+            "outside Kazma, so its seal cannot be checked (none of it will run)",
+        )
+
+    def _historic(self, seq: int, row: ApprovalRequest) -> bool:
+        """Decided before Kazma sealed outcomes: its ending event is among those chained once at the upgrade, and
+        (where the store says when seals began) decided before then."""
+        if self.history is None or seq > self.history.seq:
+            return False
+        began = self.sealed_since
+        return began is None or (row.decided_at is not None and row.decided_at.timestamp() < began)
+
+    def said(self) -> list[Problem]:
+        found = list(self.problems)
+        if self.more:
+            last = max(p.seq for p in found)
+            found.append(Problem(last, SEAL, f"{self.more} more requests like these: only the first {SEALS_NAMED} "
+                                 "are named (`kazma doctor` names them too)"))  # fmt: skip
+        if self.unknown and self.first_unknown is not None:
+            first = self.first_unknown
+            found.append(
+                Problem(
+                    first.seq,
+                    SEAL,
+                    f"{self.unknown} finished request{'s' if self.unknown != 1 else ''} carry a decision seal that "
+                    f"cannot be checked here, the first {first.detail.removeprefix('request ')} (verify where "
+                    "Kazma's decision key is: $KAZMA_DECISION_KEY, or the key file beside the store)",
+                )
+            )
+        return found
 
 
 class _Walk:
@@ -293,6 +397,7 @@ class Verification:
         *,
         unrecorded_more: bool = False,
         pending: Collection[int] | None = None,
+        seals: Seals | None = None,
     ) -> Report:
         """The report, once every event was added. ``pending`` (see :func:`verify`) may be given here, read after
         the events: only events past the last checkpoint can be pending, and those are judged only now."""
@@ -304,7 +409,15 @@ class Verification:
         self.index = len(self.ordered)
         _ends(walk)
         _unrecorded(walk, unrecorded, more=unrecorded_more)
+        if seals is not None:
+            walk.report.problems += seals.said()
+            walk.report.seals = seals
         return walk.report
+
+    @property
+    def history(self) -> Checkpoint | None:
+        """The one-time chaining's checkpoint, if the log had events before the chain."""
+        return self.walk.history
 
 
 def verify(

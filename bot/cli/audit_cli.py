@@ -7,7 +7,9 @@ signature, and every head seen elsewhere (``--head SEQ:HEX`` from a settled card
 does not start at the log's beginning is a slice, and fails unless ``--since SEQ``
 says one is expected (its header is not signed, so it cannot say so). The store's
 requests are checked against the log too: a request row whose event is not in it
-(a finished one without its ending event) shows a log cut at a checkpoint. Exit 0 when
+(a finished one without its ending event) shows a log cut at a checkpoint; and every request the log says ended
+has its row's decision seal checked (with the decision key here), since the seal alone binds what the row says
+beyond its status and decider. Exit 0 when
 all hold, 1 at the first problem (named with its sequence number and what is wrong).
 """
 
@@ -30,12 +32,13 @@ from kazma.approvals.audit_export import (
     header_record,
     line,
 )
-from kazma.approvals.audit_verify import Head, HeadError, Report, Verification, heads_of, verify
+from kazma.approvals.audit_verify import Head, HeadError, Report, Seals, Verification, heads_of, verify
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
+from kazma.approvals.store import UnreadableRequest
 from kazma.bot.cli.context import EXIT_CONFIG, Context
-from kazma.bot.keys import audit_key_problem, read_audit_signer
+from kazma.bot.keys import audit_key_problem, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config.models import KazmaConfig
 
@@ -204,6 +207,9 @@ def verify_command(
         keys = _public_keys(public_key, config)
         report = asyncio.run(_verify_store(config, keys, given))
     _print(report)
+    if report.seals is not None and report.ok:
+        before = f" ({report.seals.historic} decided before seals)" if report.seals.historic else ""
+        click.echo(f"decision seals: {report.seals.verified} verified{before}")
     if not report.ok:
         sys.exit(EXIT_FAILED)
 
@@ -241,7 +247,28 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
         )
         # Read after the events: a request Kazma opens or finishes meanwhile has its event in the log by then.
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
-    return verification.report(unrecorded, unrecorded_more=more, pending=pending)
+        seals = Seals(read_decision_keyring(config), verification.history, await store.sealed_since())
+        await _judge_seals(store, seals, upto=newest)
+    return verification.report(unrecorded, unrecorded_more=more, pending=pending, seals=seals)
+
+
+async def _judge_seals(store: ApprovalStore, seals: Seals, *, upto: int) -> None:
+    """The row of every request the log says ended (to ``upto``, what was walked), a page at a time."""
+    after = 0
+    while True:
+        endings = await store.first_endings(after, limit=PAGE, upto=upto)
+        if not endings:
+            return
+        rows = await store.requests_of([request_id for _, request_id in endings if request_id is not None])
+        for seq, request_id in endings:
+            if request_id is None:
+                continue
+            row = rows.get(request_id)
+            if isinstance(row, UnreadableRequest):
+                seals.unreadable(seq, request_id, row.columns)
+            else:
+                seals.judge(seq, request_id, row)
+        after = endings[-1][0]
 
 
 async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
