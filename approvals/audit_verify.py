@@ -28,7 +28,7 @@ bad sequence number. Nothing here needs a secret: only the public keys.
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -334,8 +334,12 @@ class _Walk:
         self.runs: list[list[int]] = []
         self.covered_to = 0  # the last seq a checkpoint covers
         self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
-        self.held: list[Checkpoint] = []  # signed checkpoints whose head the events reach
-        self.signed_heads: dict[int, str] = {}  # seq -> the head a checkpoint with a good signature signed there
+        # What a "missing" event's checkpoints say of it (see _changed_and_rehashed), judged as they are walked so
+        # that no checkpoint is kept: the last one with a good signature, as (seq, head); the orphans (seq, the hash
+        # they follow) no checkpoint has vouched for yet, in seq order; and the seq of the checkpoint that did.
+        self.last_signed: tuple[int, str] | None = None
+        self.open_orphans: list[tuple[int, str]] = []
+        self.signed_over: dict[str, int] = {}
 
     def earlier(self, chain_hash: str) -> int | None:
         """The first seq walked so far whose link hashes to ``chain_hash``."""
@@ -354,7 +358,8 @@ class _Walk:
 
 class Verification:
     """One pass of :func:`verify`, fed the events one at a time (a store read in pages, a file line by line):
-    what it keeps does not grow with the log, only with the checkpoints and the problems found.
+    what it keeps does not grow with the log, only with the problems found (and the checkpoints given at the
+    start; those fed one at a time with :meth:`checkpoint` are not kept).
 
     After the events, :attr:`asked` says whether a second pass is needed: an event that does not follow the one
     before it names a hash to look up among the earlier ones, which a first pass does not keep. Feed the same
@@ -370,9 +375,11 @@ class Verification:
         pending: Collection[int] = (),
         since: int | None = None,
         wanted: frozenset[str] | None = None,
+        history: Checkpoint | None = None,
     ) -> None:
         self.ordered = sorted(checkpoints, key=lambda c: c.seq)
-        history = next((c for c in self.ordered if c.kind == HISTORY), None)
+        # Fed apart (see checkpoint()), the checkpoints are not all here: the caller says which is the history's.
+        history = next((c for c in self.ordered if c.kind == HISTORY), history)
         self.walk = _Walk(keys, heads, anchored, history, pending, since, wanted)
         self.index = 0
 
@@ -383,6 +390,11 @@ class Verification:
         while self.index < len(ordered) and ordered[self.index].seq <= event.seq:
             _checkpoint(walk, ordered[self.index])
             self.index += 1
+
+    def checkpoint(self, checkpoint: Checkpoint) -> None:
+        """A checkpoint fed apart from those given at the start (a store read in pages: none kept once judged), in
+        sequence order: after every event up to its seq was added, before the next one."""
+        _checkpoint(self.walk, checkpoint)
 
     @property
     def asked(self) -> frozenset[str] | None:
@@ -573,6 +585,10 @@ def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
         if prev_hash not in walk.orphans:
             walk.orphans[prev_hash] = (len(walk.report.problems), walk.link_at(event.seq - 1))
             walk.problem(event.seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
+            if walk.last_signed == (event.seq - 1, prev_hash):  # a checkpoint signed that very hash at seq - 1
+                walk.signed_over[prev_hash] = event.seq - 1
+            else:
+                walk.open_orphans.append((event.seq, prev_hash))
     elif last is not None and earlier == last.seq - 1 and not walk.last_misplaced:
         walk.problem(
             last.seq,
@@ -650,9 +666,9 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
         _covered(walk, checkpoint)
         return
     if problem is None:
-        walk.signed_heads[checkpoint.seq] = checkpoint.head
+        walk.last_signed = (checkpoint.seq, checkpoint.head)
         if computed == checkpoint.head:
-            walk.held.append(checkpoint)
+            _vouches(walk, checkpoint)
     if computed != checkpoint.head:
         if checkpoint.kind == HISTORY:
             detail = (
@@ -667,6 +683,18 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
         # Said at the end, unless an event in its range is found wrong by then (that says better what changed).
         walk.mismatches.append((checkpoint, Problem(checkpoint.first_seq, CHANGED, detail)))
     _covered(walk, checkpoint)
+
+
+def _vouches(walk: _Walk, checkpoint: Checkpoint) -> None:
+    """``checkpoint`` holds (its signature and its head): the orphans whose seq and the one before it it covers
+    were chained, in the log it signed, after the hash they follow. The first such checkpoint is the one named."""
+    orphans = walk.open_orphans
+    low = bisect_left(orphans, (checkpoint.first_seq + 1, ""))
+    high = low
+    while high < len(orphans) and orphans[high][0] <= checkpoint.seq:
+        walk.signed_over.setdefault(orphans[high][1], checkpoint.seq)
+        high += 1
+    del orphans[low:high]
 
 
 def _covered(walk: _Walk, checkpoint: Checkpoint, to: int | None = None) -> None:
@@ -725,18 +753,15 @@ def _downwards(end: int, start: int) -> Iterator[int]:
 
 def _changed_and_rehashed(walk: _Walk) -> None:
     """An event "missing" before seq s, where the signed chain had, at s - 1, the event s follows: a checkpoint
-    that still holds covers s - 1 and s, or one signed exactly that hash at s - 1. The row at s - 1 hashes to
-    something else, though to its own chain hash (changed and hashed again, the algorithm being public): it is
-    the first bad one, not s."""
+    that still holds covers s - 1 and s, or one signed exactly that hash at s - 1 (both noted as they are walked).
+    The row at s - 1 hashes to something else, though to its own chain hash (changed and hashed again, the
+    algorithm being public): it is the first bad one, not s."""
     problems = walk.report.problems
     for prev_hash, (index, before) in walk.orphans.items():
         seq = problems[index].seq
         if before is None or before == prev_hash:
             continue
-        if walk.signed_heads.get(seq - 1) == prev_hash:
-            signed: int | None = seq - 1
-        else:
-            signed = next((c.seq for c in walk.held if c.first_seq <= seq - 1 and c.seq >= seq), None)
+        signed = walk.signed_over.get(prev_hash)
         if signed is not None:
             problems[index] = Problem(
                 seq - 1,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
@@ -223,25 +224,33 @@ def _config_if_any(obj: Context) -> KazmaConfig | None:
 async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]) -> Report:
     async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
-        # The checkpoints first: the events are walked in pages beside them, never held whole.
-        checkpoints = await _checkpoints(store)
-        # Read after the checkpoints: anything a checkpoint signs is in. The events are read to here: those Kazma
+        # The last checkpoint first: those to it are walked (read in pages beside the events, never held whole);
+        # one Kazma signs meanwhile is for the next verify.
+        last = await store.last_checkpoint()
+        signed_to = 0 if last is None else last.seq
+        # Read after it: anything a checkpoint to it signs is in. The events are read to here: those Kazma
         # appends meanwhile are for the next verify.
         newest = await store.last_event_seq()
         # A second pass (the same events) only where one is misplaced: see Verification.
         wanted: frozenset[str] | None = None
         while True:
-            verification = Verification(checkpoints, keys, heads=heads, wanted=wanted)
+            signed = _Signed(store, upto=signed_to)
+            first = await signed.first()
+            history = first if first is not None and first.kind == HISTORY else None
+            verification = Verification((), keys, heads=heads, wanted=wanted, history=history)
             async for batch in _pages(store, upto=newest):
                 for event in batch:
                     verification.add(event)
+                    async for checkpoint in signed.through(event.seq):
+                        verification.checkpoint(checkpoint)
+            async for checkpoint in signed.through(signed_to):  # past the log's end: a cut
+                verification.checkpoint(checkpoint)
             wanted = verification.asked
             if wanted is None:
                 break
         signer = read_audit_signer(config)
         # The tail after the last checkpoint read: a running Kazma may have signed past it since, and a tail from
         # its new checkpoint on (not read here) left its own events before it vouched for by nobody.
-        signed_to = checkpoints[-1].seq if checkpoints else 0
         pending = (
             set() if signer is None else {s for s in await vouched_tail(store, signer, upto=signed_to) if s <= newest}
         )
@@ -280,6 +289,39 @@ async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = Non
             return
         yield batch
         after = batch[-1].seq
+
+
+class _Signed:
+    """The store's checkpoints to ``upto``, in sequence order, read a page at a time as the walk reaches them."""
+
+    def __init__(self, store: ApprovalStore, *, upto: int) -> None:
+        self.store = store
+        self.upto = upto
+        self.after = 0
+        self.page: deque[Checkpoint] = deque()
+        self.done = False
+
+    async def _fill(self) -> None:
+        if self.page or self.done:
+            return
+        batch = [c for c in await self.store.chain_checkpoints(self.after, limit=PAGE) if c.seq <= self.upto]
+        if not batch:
+            self.done = True
+            return
+        self.page.extend(batch)
+        self.after = batch[-1].seq
+
+    async def first(self) -> Checkpoint | None:
+        await self._fill()
+        return self.page[0] if self.page else None
+
+    async def through(self, seq: int) -> AsyncIterator[Checkpoint]:
+        """Every checkpoint not yet given whose seq is ``seq`` or before it."""
+        while True:
+            await self._fill()
+            if not self.page or self.page[0].seq > seq:
+                return
+            yield self.page.popleft()
 
 
 async def _checkpoints(store: ApprovalStore, after: int = 0) -> list[Checkpoint]:
