@@ -46,6 +46,10 @@ UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
 SEAL = "decision seal"
+CHAINED_UNSEALED = (
+    "it carries no decision seal, but its ending event was recorded after Kazma sealed every outcome: the seal was "
+    "taken off around Kazma, or the row written there"
+)
 SEALS_NAMED = 100  # requests named whose seal does not hold (a forger's bulk rewrite leaves many alike)
 
 # SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX"). The hex is
@@ -243,11 +247,7 @@ class Seals:
             self.historic += 1
             return
         if row.decision_mac is None:
-            self._bad(
-                seq,
-                f"request {request_id} ({who}): it carries no decision seal, but its ending event was recorded after "
-                "Kazma sealed every outcome: the seal was taken off around Kazma, or the row written there",
-            )
+            self._bad(seq, f"request {request_id} ({who}): {CHAINED_UNSEALED}")
             return
         problem = seal_problem(self.keyring, row)
         if problem is None:

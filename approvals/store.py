@@ -1472,6 +1472,23 @@ class ApprovalStore:
         )
         return [(int(seq), rid if isinstance(rid, str) else None) for seq, rid in rows]
 
+    async def endings_of(self, request_ids: Collection[str]) -> dict[str, tuple[int, bool]]:
+        """Each request's first ending event (``decided``, ``timeout``, ``cancelled``) as (seq, whether it carries
+        chain fields), a query per :data:`IDS_PER_QUERY` requests; a request with none is absent."""
+        found: dict[str, tuple[int, bool]] = {}
+        ids = sorted(set(request_ids))
+        kinds = ", ".join("?" * len(DECISION_EVENTS))
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            part = ids[start : start + IDS_PER_QUERY]
+            for seq, request_id, chain_hash in await self.audit_rows(
+                "seq, request_id, chain_hash",
+                f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({kinds})"
+                " ORDER BY seq",
+                (*part, *DECISION_EVENTS),
+            ):
+                found.setdefault(str(request_id), (int(seq), chain_hash is not None))
+        return found
+
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")
         return 0 if row is None else int(row[0])

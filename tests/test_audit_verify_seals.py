@@ -26,6 +26,17 @@ def verify(tmp_path: Path, engine: Engine, *args: str, env: dict[str, str | None
     return CliRunner().invoke(main, ["-c", str(config), "audit", "verify", *args], env=KEY_ENV if env is None else env)
 
 
+def doctor_seals(tmp_path: Path, engine: Engine) -> str:
+    """The line `kazma doctor` prints for the decision seals."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in result.stdout.splitlines() if "decision seals" in text]
+    return line
+
+
 @pytest.fixture
 def log(store_engine: Engine, tmp_path: Path) -> Log:
     made: Log = run_async(make_log(store_engine.where))
@@ -72,6 +83,10 @@ def test_a_seal_taken_off_a_decision_recorded_after_seals_began_is_named_whateve
         f"seq {log.seqs['timeout:late']}: decision seal: request {late} (timeout): it carries no decision seal, but "
         "its ending event was recorded after Kazma sealed every outcome" in result.stdout
     ), result.stdout
+    # doctor's seal check took the schema row's word alone: "2 decisions verified; 1 decided before seals".
+    said = doctor_seals(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"{late} (timeout by None): it carries no decision seal, but its ending event was recorded after" in said
 
 
 def test_a_denial_flipped_with_a_forged_decided_event_and_a_borrowed_seal_fails_twice(
