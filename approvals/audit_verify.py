@@ -32,6 +32,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kazma.approvals.card import CardIntegrityError, verify_integrity
 from kazma.approvals.chain import GENESIS, ChainedEvent
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeys
 from kazma.approvals.model import ApprovalRequest, Status
@@ -248,6 +249,11 @@ class Seals:
             return
         if row.decision_mac is None:
             self._bad(seq, f"request {request_id} ({who}): {CHAINED_UNSEALED}")
+            return
+        try:
+            verify_integrity(row)  # the seal binds the arguments' hash: the text beside it could say another call
+        except CardIntegrityError as exc:
+            self._bad(seq, f"request {request_id} ({who}): its stored call was changed around Kazma: {exc.reason}")
             return
         problem = seal_problem(self.keyring, row)
         if problem is None:

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from kazma.approvals.chain import event_hash
+from kazma.approvals.hashing import args_hash
 from kazma.bot.cli import main
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
@@ -53,7 +54,7 @@ def test_an_approved_call_rewritten_beside_an_untouched_log_is_named_by_its_seal
     deploy, drop = log.requests["deploy"], log.requests["drop"]
     Attacker(store_engine).run(
         ("UPDATE approval_requests SET args_json = ?, args_hash = ? WHERE id = ?",
-         ('{"command":"rm -rf /"}', "b" * 64, deploy)),
+         ('{"command":"rm -rf /"}', args_hash({"command": "rm -rf /"}), deploy)),
         ("UPDATE approval_requests SET decided_at = decided_at - 3600 WHERE id = ?", (drop,)),
     )  # fmt: skip
     result = verify(tmp_path, store_engine)
@@ -62,7 +63,7 @@ def test_an_approved_call_rewritten_beside_an_untouched_log_is_named_by_its_seal
     assert f"FAILED: first bad sequence seq {approved}: decision seal: request {deploy} (approved by telegram:111)" in (
         result.stdout
     ), result.stdout
-    assert "its decision seal does not verify with key" in result.stdout, result.stdout
+    assert "telegram:111): its decision seal does not verify with key" in result.stdout, result.stdout
     assert f"seq {denied}: decision seal: request {drop} (denied by slack:U111)" in result.stdout, result.stdout
 
 
@@ -145,3 +146,20 @@ def test_a_finished_request_set_pending_again_or_its_row_deleted_is_named_at_its
         result.stdout
     ), result.stdout
     assert f"seq {timed_out}: decision seal: request {late}'s row is gone" in result.stdout, result.stdout
+
+
+def test_an_approved_calls_stored_arguments_changed_under_the_same_hash_are_named(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """The seal binds the arguments' hash, not their text: the approved deploy's stored call rewritten, its hash
+    (and so its seal) kept, read "ok" while `approvals show` printed a call nobody approved."""
+    deploy = log.requests["deploy"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"rm -rf /"}', deploy)),
+    )
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert (
+        f"FAILED: first bad sequence seq {log.seqs['decided:deploy']}: decision seal: request {deploy} (approved by "
+        "telegram:111): its stored call was changed around Kazma: the stored arguments hash to" in result.stdout
+    ), result.stdout
