@@ -223,6 +223,7 @@ class Seals:
         self.more = 0
         self.unknown = 0  # sealed with a key not held here (or no decision key here): not checked
         self.first_unknown: Problem | None = None
+        self.calls: list[Problem] = []  # calls changed since they were opened
 
     def _bad(self, seq: int, detail: str) -> None:
         if len(self.problems) < SEALS_NAMED:
@@ -265,6 +266,24 @@ class Seals:
         else:
             self._bad(seq, f"request {request_id} ({who}): {problem.detail}")
 
+    def changed_calls(self, changed: Sequence[tuple[str, int, str, str]], *, more: bool) -> None:
+        """Requests whose stored call does not hash as their ``opened`` event records it (see
+        :meth:`~kazma.approvals.store.ApprovalStore.calls_changed`): ``changed`` at that event."""
+        for request_id, seq, stored, opened in changed:
+            self.calls.append(
+                Problem(
+                    seq,
+                    CHANGED,
+                    f"request {request_id}'s stored call hashes to {stored[:12]}…, but the audit log records it opened "
+                    f"for {opened[:12]}…: its call was changed around Kazma (what its cards showed, and any decision "
+                    "on it, is of that call)",
+                )
+            )
+        if more and changed:
+            self.calls.append(
+                Problem(changed[-1][1], CHANGED, f"more requests like these: only the first {len(changed)} are named")
+            )
+
     def unreadable(self, seq: int, request_id: str, columns: Sequence[str]) -> None:
         self._bad(
             seq,
@@ -281,9 +300,9 @@ class Seals:
         return began is None or (row.decided_at is not None and row.decided_at.timestamp() < began)
 
     def said(self) -> list[Problem]:
-        found = list(self.problems)
+        found = [*self.calls, *self.problems]
         if self.more:
-            last = max(p.seq for p in found)
+            last = max(p.seq for p in self.problems)
             found.append(Problem(last, SEAL, f"{self.more} more requests like these: only the first {SEALS_NAMED} "
                                  "are named (`kazma doctor` names them too)"))  # fmt: skip
         if self.unknown and self.first_unknown is not None:

@@ -1472,6 +1472,21 @@ class ApprovalStore:
         )
         return [(int(seq), rid if isinstance(rid, str) else None) for seq, rid in rows]
 
+    async def calls_changed(self, *, limit: int = 100) -> tuple[list[tuple[str, int, str, str]], bool]:
+        """Requests whose stored call no longer hashes as its ``opened`` event (chained, written with the row)
+        records it: (id, the event's seq, the row's hash, the event's), the first ``limit`` by seq, and whether
+        there are more. A call is never changed by Kazma; one changed around it while pending is what its cards
+        show and what a person then approves, its seal binding the new hash."""
+        rows = await self.audit_rows(
+            "r.id, e.seq, r.args_hash, e.args_hash",
+            "FROM approval_requests r JOIN approval_events e ON e.request_id = r.id AND e.event = 'opened'"
+            " WHERE e.args_hash IS NOT NULL AND (r.args_hash IS NULL OR r.args_hash <> e.args_hash)"
+            " ORDER BY e.seq LIMIT ?",
+            (limit + 1,),
+        )
+        found = [(str(rid), int(seq), str(stored), str(opened)) for rid, seq, stored, opened in rows[:limit]]
+        return found, len(rows) > limit
+
     async def endings_of(self, request_ids: Collection[str]) -> dict[str, tuple[int, bool]]:
         """Each request's first ending event (``decided``, ``timeout``, ``cancelled``) as (seq, whether it carries
         chain fields), a query per :data:`IDS_PER_QUERY` requests; a request with none is absent."""

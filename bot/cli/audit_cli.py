@@ -258,6 +258,8 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
         seals = Seals(read_decision_keyring(config), verification.history, await store.sealed_since())
         await _judge_seals(store, seals, upto=newest)
+        changed, more_changed = await store.calls_changed(limit=UNRECORDED)
+        seals.changed_calls(changed, more=more_changed)
     return verification.report(unrecorded, unrecorded_more=more, pending=pending, seals=seals)
 
 
