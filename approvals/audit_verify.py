@@ -15,7 +15,11 @@ shows and with what is wrong:
   past the end of the log; or (verifying the store) a request's row records an outcome, or its opening, whose
   event is not in the log: the events that recorded it were cut, with the checkpoints that signed them;
 * ``bad signature``: a checkpoint whose signature does not verify with the public
-  keys given (or that is not signed at all).
+  keys given (or that is not signed at all);
+* ``decision seal`` (verifying the store, with its decision key): a request the log says ended whose row's decision
+  seal does not verify, is missing, or cannot be checked here; or whose row is gone, or says it is pending again.
+  The chain proves the log; what a row says beyond its status and decider (the call approved, where, when, the
+  person) only its seal binds.
 
 :attr:`Report.first` is the problem with the lowest sequence number: the first
 bad sequence number. Nothing here needs a secret: only the public keys.
@@ -24,12 +28,16 @@ bad sequence number. Nothing here needs a secret: only the public keys.
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kazma.approvals.card import CardIntegrityError, verify_integrity
 from kazma.approvals.chain import GENESIS, ChainedEvent
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeys
+from kazma.approvals.model import ApprovalRequest, Status
+from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
+from kazma.config.keyring import Keyring
 
 CHANGED = "changed"
 MISSING = "missing"
@@ -38,6 +46,12 @@ INSERTED = "inserted"
 UNSIGNED = "unsigned"
 TRUNCATED = "truncated"
 BAD_SIGNATURE = "bad signature"
+SEAL = "decision seal"
+CHAINED_UNSEALED = (
+    "it carries no decision seal, but its ending event was recorded after Kazma sealed every outcome: the seal was "
+    "taken off around Kazma, or the row written there"
+)
+SEALS_NAMED = 100  # requests named whose seal does not hold (a forger's bulk rewrite leaves many alike)
 
 # SEQ:HEX, or a settled card's footer as copied off it, its label too ("Audit checkpoint: #SEQ HEX"). The hex is
 # checked for its length apart, so a short one is told why.
@@ -154,6 +168,7 @@ class Report:
     # signatures prove then covers the log from its beginning. Else a slice: its first link is taken as given.
     from_start: bool = True
     problems: list[Problem] = field(default_factory=list)
+    seals: Seals | None = None  # the decision seals judged (verifying the store), None where there are none to judge
 
     @property
     def ok(self) -> bool:
@@ -188,6 +203,120 @@ class Report:
             f"ok: {self.events} events (seq {span}) chained, {self.checkpoints} checkpoints signed; "
             f"head #{self.last_seq} {(self.head or '')[:12]}{heads}{pending}; {start}"
         )
+
+
+class Seals:
+    """The decision seals of every request the log says ended, judged a page at a time as the store is read: only
+    the first :data:`SEALS_NAMED` problems are kept, the rest counted.
+
+    Which rows must carry a seal is the chain's to say, not the store's: a decision whose ending event was chained
+    after the history checkpoint (every one, where the log has none) was made by a Kazma that sealed every outcome.
+    The schema row that says when seals began is in the store too, so the forger who takes a seal off moves it."""
+
+    def __init__(self, keyring: Keyring | None, history: Checkpoint | None, sealed_since: float | None) -> None:
+        self.keyring = keyring
+        self.history = history
+        self.sealed_since = sealed_since
+        self.verified = 0
+        self.historic = 0  # decided before seals (in the history, and before they began): they can never run
+        self.problems: list[Problem] = []
+        self.more = 0
+        self.unknown = 0  # sealed with a key not held here (or no decision key here): not checked
+        self.first_unknown: Problem | None = None
+        self.calls: list[Problem] = []  # calls changed since they were opened
+
+    def _bad(self, seq: int, detail: str) -> None:
+        if len(self.problems) < SEALS_NAMED:
+            self.problems.append(Problem(seq, SEAL, detail))
+        else:
+            self.more += 1
+
+    def judge(self, seq: int, request_id: str, row: ApprovalRequest | None) -> None:
+        """``request_id``'s row (None: there is none) against its first ending event, at ``seq``."""
+        if row is None:
+            self._bad(seq, f"request {request_id}'s row is gone, but the audit log records its ending event: "
+                      "deleted around Kazma")  # fmt: skip
+            return
+        if row.status is Status.PENDING:
+            self._bad(
+                seq,
+                f"request {request_id}'s row says pending, but the audit log records its ending event: the row was "
+                "changed around Kazma, so that it can be decided again",
+            )
+            return
+        who = f"{row.status.value} by {row.decided_by}" if row.decided_by else row.status.value
+        if row.decision_mac is None and self._historic(seq, row):
+            self.historic += 1
+            return
+        if row.decision_mac is None:
+            self._bad(seq, f"request {request_id} ({who}): {CHAINED_UNSEALED}")
+            return
+        try:
+            verify_integrity(row)  # the seal binds the arguments' hash: the text beside it could say another call
+        except CardIntegrityError as exc:
+            self._bad(seq, f"request {request_id} ({who}): its stored call was changed around Kazma: {exc.reason}")
+            return
+        problem = seal_problem(self.keyring, row)
+        if problem is None:
+            self.verified += 1
+        elif problem.site == KEY_UNKNOWN:
+            self.unknown += 1
+            if self.first_unknown is None:
+                self.first_unknown = Problem(seq, SEAL, f"request {request_id} ({who}): {problem.detail}")
+        else:
+            self._bad(seq, f"request {request_id} ({who}): {problem.detail}")
+
+    def changed_calls(self, changed: Sequence[tuple[str, int, str, str]], *, more: bool) -> None:
+        """Requests whose stored call does not hash as their ``opened`` event records it (see
+        :meth:`~kazma.approvals.store.ApprovalStore.calls_changed`): ``changed`` at that event."""
+        for request_id, seq, stored, opened in changed:
+            self.calls.append(
+                Problem(
+                    seq,
+                    CHANGED,
+                    f"request {request_id}'s stored call hashes to {stored[:12]}…, but the audit log records it opened "
+                    f"for {opened[:12]}…: its call was changed around Kazma (what its cards showed, and any decision "
+                    "on it, is of that call)",
+                )
+            )
+        if more and changed:
+            self.calls.append(
+                Problem(changed[-1][1], CHANGED, f"more requests like these: only the first {len(changed)} are named")
+            )
+
+    def unreadable(self, seq: int, request_id: str, columns: Sequence[str]) -> None:
+        self._bad(
+            seq,
+            f"request {request_id}'s row cannot be read (a text in {', '.join(columns)} is not UTF-8): written "
+            "outside Kazma, so its seal cannot be checked (none of it will run)",
+        )
+
+    def _historic(self, seq: int, row: ApprovalRequest) -> bool:
+        """Decided before Kazma sealed outcomes: its ending event is among those chained once at the upgrade, and
+        (where the store says when seals began) decided before then."""
+        if self.history is None or seq > self.history.seq:
+            return False
+        began = self.sealed_since
+        return began is None or (row.decided_at is not None and row.decided_at.timestamp() < began)
+
+    def said(self) -> list[Problem]:
+        found = [*self.calls, *self.problems]
+        if self.more:
+            last = max(p.seq for p in self.problems)
+            found.append(Problem(last, SEAL, f"{self.more} more requests like these: only the first {SEALS_NAMED} "
+                                 "are named (`kazma doctor` names them too)"))  # fmt: skip
+        if self.unknown and self.first_unknown is not None:
+            first = self.first_unknown
+            found.append(
+                Problem(
+                    first.seq,
+                    SEAL,
+                    f"{self.unknown} finished request{'s' if self.unknown != 1 else ''} carry a decision seal that "
+                    f"cannot be checked here, the first {first.detail.removeprefix('request ')} (verify where "
+                    "Kazma's decision key is: $KAZMA_DECISION_KEY, or the key file beside the store)",
+                )
+            )
+        return found
 
 
 class _Walk:
@@ -230,8 +359,12 @@ class _Walk:
         self.runs: list[list[int]] = []
         self.covered_to = 0  # the last seq a checkpoint covers
         self.mismatches: list[tuple[Checkpoint, Problem]] = []  # checkpoints whose head the events do not reach
-        self.held: list[Checkpoint] = []  # signed checkpoints whose head the events reach
-        self.signed_heads: dict[int, str] = {}  # seq -> the head a checkpoint with a good signature signed there
+        # What a "missing" event's checkpoints say of it (see _changed_and_rehashed), judged as they are walked so
+        # that no checkpoint is kept: the last one with a good signature, as (seq, head); the orphans (seq, the hash
+        # they follow) no checkpoint has vouched for yet, in seq order; and the seq of the checkpoint that did.
+        self.last_signed: tuple[int, str] | None = None
+        self.open_orphans: list[tuple[int, str]] = []
+        self.signed_over: dict[str, int] = {}
 
     def earlier(self, chain_hash: str) -> int | None:
         """The first seq walked so far whose link hashes to ``chain_hash``."""
@@ -250,7 +383,8 @@ class _Walk:
 
 class Verification:
     """One pass of :func:`verify`, fed the events one at a time (a store read in pages, a file line by line):
-    what it keeps does not grow with the log, only with the checkpoints and the problems found.
+    what it keeps does not grow with the log, only with the problems found (and the checkpoints given at the
+    start; those fed one at a time with :meth:`checkpoint` are not kept).
 
     After the events, :attr:`asked` says whether a second pass is needed: an event that does not follow the one
     before it names a hash to look up among the earlier ones, which a first pass does not keep. Feed the same
@@ -266,9 +400,11 @@ class Verification:
         pending: Collection[int] = (),
         since: int | None = None,
         wanted: frozenset[str] | None = None,
+        history: Checkpoint | None = None,
     ) -> None:
         self.ordered = sorted(checkpoints, key=lambda c: c.seq)
-        history = next((c for c in self.ordered if c.kind == HISTORY), None)
+        # Fed apart (see checkpoint()), the checkpoints are not all here: the caller says which is the history's.
+        history = next((c for c in self.ordered if c.kind == HISTORY), history)
         self.walk = _Walk(keys, heads, anchored, history, pending, since, wanted)
         self.index = 0
 
@@ -279,6 +415,11 @@ class Verification:
         while self.index < len(ordered) and ordered[self.index].seq <= event.seq:
             _checkpoint(walk, ordered[self.index])
             self.index += 1
+
+    def checkpoint(self, checkpoint: Checkpoint) -> None:
+        """A checkpoint fed apart from those given at the start (a store read in pages: none kept once judged), in
+        sequence order: after every event up to its seq was added, before the next one."""
+        _checkpoint(self.walk, checkpoint)
 
     @property
     def asked(self) -> frozenset[str] | None:
@@ -293,6 +434,7 @@ class Verification:
         *,
         unrecorded_more: bool = False,
         pending: Collection[int] | None = None,
+        seals: Seals | None = None,
     ) -> Report:
         """The report, once every event was added. ``pending`` (see :func:`verify`) may be given here, read after
         the events: only events past the last checkpoint can be pending, and those are judged only now."""
@@ -304,7 +446,15 @@ class Verification:
         self.index = len(self.ordered)
         _ends(walk)
         _unrecorded(walk, unrecorded, more=unrecorded_more)
+        if seals is not None:
+            walk.report.problems += seals.said()
+            walk.report.seals = seals
         return walk.report
+
+    @property
+    def history(self) -> Checkpoint | None:
+        """The one-time chaining's checkpoint, if the log had events before the chain."""
+        return self.walk.history
 
 
 def verify(
@@ -460,6 +610,10 @@ def _misplaced(walk: _Walk, event: ChainedEvent) -> None:
         if prev_hash not in walk.orphans:
             walk.orphans[prev_hash] = (len(walk.report.problems), walk.link_at(event.seq - 1))
             walk.problem(event.seq, MISSING, f"the event it was chained after ({prev_hash[:12]}…) is not in the log")
+            if walk.last_signed == (event.seq - 1, prev_hash):  # a checkpoint signed that very hash at seq - 1
+                walk.signed_over[prev_hash] = event.seq - 1
+            else:
+                walk.open_orphans.append((event.seq, prev_hash))
     elif last is not None and earlier == last.seq - 1 and not walk.last_misplaced:
         walk.problem(
             last.seq,
@@ -537,9 +691,9 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
         _covered(walk, checkpoint)
         return
     if problem is None:
-        walk.signed_heads[checkpoint.seq] = checkpoint.head
+        walk.last_signed = (checkpoint.seq, checkpoint.head)
         if computed == checkpoint.head:
-            walk.held.append(checkpoint)
+            _vouches(walk, checkpoint)
     if computed != checkpoint.head:
         if checkpoint.kind == HISTORY:
             detail = (
@@ -554,6 +708,18 @@ def _checkpoint(walk: _Walk, checkpoint: Checkpoint) -> None:
         # Said at the end, unless an event in its range is found wrong by then (that says better what changed).
         walk.mismatches.append((checkpoint, Problem(checkpoint.first_seq, CHANGED, detail)))
     _covered(walk, checkpoint)
+
+
+def _vouches(walk: _Walk, checkpoint: Checkpoint) -> None:
+    """``checkpoint`` holds (its signature and its head): the orphans whose seq and the one before it it covers
+    were chained, in the log it signed, after the hash they follow. The first such checkpoint is the one named."""
+    orphans = walk.open_orphans
+    low = bisect_left(orphans, (checkpoint.first_seq + 1, ""))
+    high = low
+    while high < len(orphans) and orphans[high][0] <= checkpoint.seq:
+        walk.signed_over.setdefault(orphans[high][1], checkpoint.seq)
+        high += 1
+    del orphans[low:high]
 
 
 def _covered(walk: _Walk, checkpoint: Checkpoint, to: int | None = None) -> None:
@@ -612,18 +778,15 @@ def _downwards(end: int, start: int) -> Iterator[int]:
 
 def _changed_and_rehashed(walk: _Walk) -> None:
     """An event "missing" before seq s, where the signed chain had, at s - 1, the event s follows: a checkpoint
-    that still holds covers s - 1 and s, or one signed exactly that hash at s - 1. The row at s - 1 hashes to
-    something else, though to its own chain hash (changed and hashed again, the algorithm being public): it is
-    the first bad one, not s."""
+    that still holds covers s - 1 and s, or one signed exactly that hash at s - 1 (both noted as they are walked).
+    The row at s - 1 hashes to something else, though to its own chain hash (changed and hashed again, the
+    algorithm being public): it is the first bad one, not s."""
     problems = walk.report.problems
     for prev_hash, (index, before) in walk.orphans.items():
         seq = problems[index].seq
         if before is None or before == prev_hash:
             continue
-        if walk.signed_heads.get(seq - 1) == prev_hash:
-            signed: int | None = seq - 1
-        else:
-            signed = next((c.seq for c in walk.held if c.first_seq <= seq - 1 and c.seq >= seq), None)
+        signed = walk.signed_over.get(prev_hash)
         if signed is not None:
             problems[index] = Problem(
                 seq - 1,

@@ -129,6 +129,8 @@ _UNRECORDED = (
 )
 # Requests whose sealed fields a store remembers at most (then it forgets them all and reads them again).
 _SEALED_KEPT = 4096
+# Past every sequence number a store gives (a signed 64-bit key): "no upper bound" in one statement.
+_LAST_SEQ: Final = 2**63 - 1
 # A transaction's notes (PgTx.notes): each request a press of it was guessed to decide, and the status it set.
 _PRESS_GUESSES = "approvals.press_guesses"
 # The claimer's name when no replica name is given: the only process on its store.
@@ -1451,6 +1453,56 @@ class ApprovalStore:
             UnrecordedRequest(str(r[0]), str(r[2]), r[3] is not None, r[1], ending.get(str(r[0]))) for r in rows[:limit]
         ]
         return found, len(rows) > limit
+
+    async def first_endings(
+        self, after: int = 0, *, limit: int = 1000, upto: int | None = None
+    ) -> list[tuple[int, str | None]]:
+        """(seq, request id) of each request's first ending event (``decided``, ``timeout``, ``cancelled``) in
+        sequence order, from the first after ``after`` (to ``upto``): ``kazma audit verify`` checks the row of every
+        request the log says ended, a page at a time, by the log's own integer key (an id's order is the database
+        collation's, which PostgreSQL's locale may set). An id that is not text (written around Kazma) is None: its
+        event no longer hashes, and the chain names it."""
+        kinds = ", ".join("?" * len(DECISION_EVENTS))
+        rows = await self.audit_rows(
+            "e.seq, e.request_id",
+            f"FROM approval_events e WHERE e.seq > ? AND e.seq <= ? AND e.event IN ({kinds})"  # noqa: S608
+            " AND e.request_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM approval_events f"
+            f" WHERE f.request_id = e.request_id AND f.event IN ({kinds}) AND f.seq < e.seq) ORDER BY e.seq LIMIT ?",
+            (after, _LAST_SEQ if upto is None else upto, *DECISION_EVENTS, *DECISION_EVENTS, limit),
+        )
+        return [(int(seq), rid if isinstance(rid, str) else None) for seq, rid in rows]
+
+    async def calls_changed(self, *, limit: int = 100) -> tuple[list[tuple[str, int, str, str]], bool]:
+        """Requests whose stored call no longer hashes as its ``opened`` event (chained, written with the row)
+        records it: (id, the event's seq, the row's hash, the event's), the first ``limit`` by seq, and whether
+        there are more. A call is never changed by Kazma; one changed around it while pending is what its cards
+        show and what a person then approves, its seal binding the new hash."""
+        rows = await self.audit_rows(
+            "r.id, e.seq, r.args_hash, e.args_hash",
+            "FROM approval_requests r JOIN approval_events e ON e.request_id = r.id AND e.event = 'opened'"
+            " WHERE e.args_hash IS NOT NULL AND (r.args_hash IS NULL OR r.args_hash <> e.args_hash)"
+            " ORDER BY e.seq LIMIT ?",
+            (limit + 1,),
+        )
+        found = [(str(rid), int(seq), str(stored), str(opened)) for rid, seq, stored, opened in rows[:limit]]
+        return found, len(rows) > limit
+
+    async def endings_of(self, request_ids: Collection[str]) -> dict[str, tuple[int, bool]]:
+        """Each request's first ending event (``decided``, ``timeout``, ``cancelled``) as (seq, whether it carries
+        chain fields), a query per :data:`IDS_PER_QUERY` requests; a request with none is absent."""
+        found: dict[str, tuple[int, bool]] = {}
+        ids = sorted(set(request_ids))
+        kinds = ", ".join("?" * len(DECISION_EVENTS))
+        for start in range(0, len(ids), IDS_PER_QUERY):
+            part = ids[start : start + IDS_PER_QUERY]
+            for seq, request_id, chain_hash in await self.audit_rows(
+                "seq, request_id, chain_hash",
+                f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({kinds})"
+                " ORDER BY seq",
+                (*part, *DECISION_EVENTS),
+            ):
+                found.setdefault(str(request_id), (int(seq), chain_hash is not None))
+        return found
 
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")

@@ -36,7 +36,7 @@ PAGE = 500  # events a page: what a walk holds at a time, so the bound below is 
 BOUND = 4 * 1024 * 1024  # held whole, the 20,000 events took 20 MB (the export 40 MB); walked, 1.2 MB
 
 
-def _log() -> tuple[list[ChainedEvent], list[Checkpoint]]:
+def _log(signed_every: int = SIGNED_EVERY) -> tuple[list[ChainedEvent], list[Checkpoint]]:
     events = rechained(
         [
             ChainedEvent(
@@ -48,23 +48,26 @@ def _log() -> tuple[list[ChainedEvent], list[Checkpoint]]:
         ]
     )  # fmt: skip
     checkpoints = [
-        TEST_SIGNER.sign(HEAD, first, min(first + SIGNED_EVERY - 1, EVENTS), "", 1_700_000_000.0)
-        for first in range(1, EVENTS + 1, SIGNED_EVERY)
+        TEST_SIGNER.sign(HEAD, first, min(first + signed_every - 1, EVENTS), "", 1_700_000_000.0)
+        for first in range(1, EVENTS + 1, signed_every)
     ]
     heads = {e.seq: e.chain_hash or "" for e in events}
     return events, [TEST_SIGNER.sign(c.kind, c.first_seq, c.seq, heads[c.seq], c.at) for c in checkpoints]
 
 
-@pytest.fixture
-def big_log(store_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A store (its schema made by Kazma) holding a signed chain of EVENTS events; the config file naming it."""
+@pytest.fixture(params=[SIGNED_EVERY], ids=["signed_every_1000"])
+def big_log(
+    store_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Path:
+    """A store (its schema made by Kazma) holding a signed chain of EVENTS events, a checkpoint every
+    ``request.param`` of them; the config file naming it."""
 
     async def schema() -> None:
         async with approval_service(store_engine.where):
             pass
 
     run_async(schema())
-    events, checkpoints = _log()
+    events, checkpoints = _log(request.param)
     Attacker(store_engine).replace_log(events, checkpoints)
     monkeypatch.setattr(audit_cli, "PAGE", PAGE)
     config = tmp_path / "kazma.yaml"
@@ -93,6 +96,16 @@ def test_verify_on_the_store_reads_the_events_in_pages_never_the_whole_log(big_l
         f"ok: {EVENTS} events (seq 1..{EVENTS}) chained, {EVENTS // SIGNED_EVERY} checkpoints signed" in result.stdout
     )
     assert peak < BOUND, f"verify held {peak / 1e6:.1f} MB for {EVENTS} events"
+
+
+@pytest.mark.parametrize("big_log", [1], ids=["signed_every_event"], indirect=True)
+def test_verify_on_the_store_reads_the_checkpoints_in_pages_too(big_log: Path, store_engine: Engine) -> None:
+    """A checkpoint for every event (a Kazma deciding one at a time signs each decision within a fiftieth of a
+    second): held whole, the 20,000 checkpoints took more than the bound by themselves."""
+    result, peak = _peak(lambda: _verify(big_log))
+    assert result.exit_code == 0, result.stdout
+    assert f"ok: {EVENTS} events (seq 1..{EVENTS}) chained, {EVENTS} checkpoints signed" in result.stdout
+    assert peak < BOUND, f"verify held {peak / 1e6:.1f} MB for {EVENTS} checkpoints"
 
 
 def test_an_event_removed_is_named_as_before_in_the_second_pass_without_holding_the_log(

@@ -7,7 +7,9 @@ signature, and every head seen elsewhere (``--head SEQ:HEX`` from a settled card
 does not start at the log's beginning is a slice, and fails unless ``--since SEQ``
 says one is expected (its header is not signed, so it cannot say so). The store's
 requests are checked against the log too: a request row whose event is not in it
-(a finished one without its ending event) shows a log cut at a checkpoint. Exit 0 when
+(a finished one without its ending event) shows a log cut at a checkpoint; and every request the log says ended
+has its row's decision seal checked (with the decision key here), since the seal alone binds what the row says
+beyond its status and decider. Exit 0 when
 all hold, 1 at the first problem (named with its sequence number and what is wrong).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
@@ -30,12 +33,13 @@ from kazma.approvals.audit_export import (
     header_record,
     line,
 )
-from kazma.approvals.audit_verify import Head, HeadError, Report, Verification, heads_of, verify
+from kazma.approvals.audit_verify import Head, HeadError, Report, Seals, Verification, heads_of, verify
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
+from kazma.approvals.store import UnreadableRequest
 from kazma.bot.cli.context import EXIT_CONFIG, Context
-from kazma.bot.keys import audit_key_problem, read_audit_signer
+from kazma.bot.keys import audit_key_problem, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
 from kazma.config.models import KazmaConfig
 
@@ -204,6 +208,9 @@ def verify_command(
         keys = _public_keys(public_key, config)
         report = asyncio.run(_verify_store(config, keys, given))
     _print(report)
+    if report.seals is not None and report.ok:
+        before = f" ({report.seals.historic} decided before seals)" if report.seals.historic else ""
+        click.echo(f"decision seals: {report.seals.verified} verified{before}")
     if not report.ok:
         sys.exit(EXIT_FAILED)
 
@@ -217,31 +224,62 @@ def _config_if_any(obj: Context) -> KazmaConfig | None:
 async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]) -> Report:
     async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
-        # The checkpoints first: the events are walked in pages beside them, never held whole.
-        checkpoints = await _checkpoints(store)
-        # Read after the checkpoints: anything a checkpoint signs is in. The events are read to here: those Kazma
+        # The last checkpoint first: those to it are walked (read in pages beside the events, never held whole);
+        # one Kazma signs meanwhile is for the next verify.
+        last = await store.last_checkpoint()
+        signed_to = 0 if last is None else last.seq
+        # Read after it: anything a checkpoint to it signs is in. The events are read to here: those Kazma
         # appends meanwhile are for the next verify.
         newest = await store.last_event_seq()
         # A second pass (the same events) only where one is misplaced: see Verification.
         wanted: frozenset[str] | None = None
         while True:
-            verification = Verification(checkpoints, keys, heads=heads, wanted=wanted)
+            signed = _Signed(store, upto=signed_to)
+            first = await signed.first()
+            history = first if first is not None and first.kind == HISTORY else None
+            verification = Verification((), keys, heads=heads, wanted=wanted, history=history)
             async for batch in _pages(store, upto=newest):
                 for event in batch:
                     verification.add(event)
+                    async for checkpoint in signed.through(event.seq):
+                        verification.checkpoint(checkpoint)
+            async for checkpoint in signed.through(signed_to):  # past the log's end: a cut
+                verification.checkpoint(checkpoint)
             wanted = verification.asked
             if wanted is None:
                 break
         signer = read_audit_signer(config)
         # The tail after the last checkpoint read: a running Kazma may have signed past it since, and a tail from
         # its new checkpoint on (not read here) left its own events before it vouched for by nobody.
-        signed_to = checkpoints[-1].seq if checkpoints else 0
         pending = (
             set() if signer is None else {s for s in await vouched_tail(store, signer, upto=signed_to) if s <= newest}
         )
         # Read after the events: a request Kazma opens or finishes meanwhile has its event in the log by then.
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
-    return verification.report(unrecorded, unrecorded_more=more, pending=pending)
+        seals = Seals(read_decision_keyring(config), verification.history, await store.sealed_since())
+        await _judge_seals(store, seals, upto=newest)
+        changed, more_changed = await store.calls_changed(limit=UNRECORDED)
+        seals.changed_calls(changed, more=more_changed)
+    return verification.report(unrecorded, unrecorded_more=more, pending=pending, seals=seals)
+
+
+async def _judge_seals(store: ApprovalStore, seals: Seals, *, upto: int) -> None:
+    """The row of every request the log says ended (to ``upto``, what was walked), a page at a time."""
+    after = 0
+    while True:
+        endings = await store.first_endings(after, limit=PAGE, upto=upto)
+        if not endings:
+            return
+        rows = await store.requests_of([request_id for _, request_id in endings if request_id is not None])
+        for seq, request_id in endings:
+            if request_id is None:
+                continue
+            row = rows.get(request_id)
+            if isinstance(row, UnreadableRequest):
+                seals.unreadable(seq, request_id, row.columns)
+            else:
+                seals.judge(seq, request_id, row)
+        after = endings[-1][0]
 
 
 async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
@@ -253,6 +291,39 @@ async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = Non
             return
         yield batch
         after = batch[-1].seq
+
+
+class _Signed:
+    """The store's checkpoints to ``upto``, in sequence order, read a page at a time as the walk reaches them."""
+
+    def __init__(self, store: ApprovalStore, *, upto: int) -> None:
+        self.store = store
+        self.upto = upto
+        self.after = 0
+        self.page: deque[Checkpoint] = deque()
+        self.done = False
+
+    async def _fill(self) -> None:
+        if self.page or self.done:
+            return
+        batch = [c for c in await self.store.chain_checkpoints(self.after, limit=PAGE) if c.seq <= self.upto]
+        if not batch:
+            self.done = True
+            return
+        self.page.extend(batch)
+        self.after = batch[-1].seq
+
+    async def first(self) -> Checkpoint | None:
+        await self._fill()
+        return self.page[0] if self.page else None
+
+    async def through(self, seq: int) -> AsyncIterator[Checkpoint]:
+        """Every checkpoint not yet given whose seq is ``seq`` or before it."""
+        while True:
+            await self._fill()
+            if not self.page or self.page[0].seq > seq:
+                return
+            yield self.page.popleft()
 
 
 async def _checkpoints(store: ApprovalStore, after: int = 0) -> list[Checkpoint]:

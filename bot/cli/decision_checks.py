@@ -7,6 +7,8 @@ sealed decisions have no seal; they are history, and can never run either.
 
 from __future__ import annotations
 
+from kazma.approvals.audit_verify import CHAINED_UNSEALED
+from kazma.approvals.checkpoints import HISTORY
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
 from kazma.approvals.store import ApprovalStore
@@ -86,6 +88,13 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
             store = ApprovalStore(opened, keyring=keyring)
             rows, unreadable = await store.decided_rows()
             since = await store.sealed_since()
+            # "Decided before seals" is the schema row's word, and that row is the store's too: a seal taken off
+            # and the row moved read as history. The chain says better (seals came before it): only a decision
+            # whose ending event was chained once at the upgrade (or not chained yet) can be unsealed.
+            unsealed = [row.id for row in rows if row.decision_mac is None]
+            endings = await store.endings_of(unsealed) if unsealed else {}
+            first = await store.chain_checkpoints(0, limit=1)
+            history = first[0].seq if first and first[0].kind == HISTORY else 0
     except Exception as exc:
         said = str(exc).strip() or type(exc).__name__
         return Check(SEAL_CHECK, Level.FAIL, f"cannot read the store: {said}"), 0
@@ -95,7 +104,11 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
     for row in rows:
         decided = row.decided_at.timestamp() if row.decided_at is not None else None
         if row.decision_mac is None and (since is None or (decided is not None and decided < since)):
-            historic += 1  # decided before seals: history, and can never run
+            seq, chained = endings.get(row.id, (0, False))
+            if not chained or seq <= history:
+                historic += 1  # decided before seals: history, and can never run
+                continue
+            forged.append((row, CHAINED_UNSEALED))
             continue
         problem = seal_problem(keyring, row)
         if problem is None:

