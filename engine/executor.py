@@ -447,8 +447,9 @@ class PlanExecutor:
             if other is not None and other.index == index:
                 # its wait ended while the plan was read (a store slow to answer): it is the step that runs next
                 other, when = None, "now"
-            elif other is not None or also:
-                # "runs again in about 5 seconds" would be wrong by however long the step run meanwhile takes
+            elif other is not None or also or any(key[0] == plan_id for key in self._deciding):
+                # "runs again in about 5 seconds" would be wrong by however long the step run meanwhile takes (one
+                # the lead is deciding about may be run again before its wait ends)
                 when += " at the earliest"
             line = (
                 f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again {when} "

@@ -1143,3 +1143,26 @@ async def test_a_backoff_over_before_its_notice_is_written_is_not_said_to_wait_f
         )
         assert running(d, plan.id) == [(1, 1), (1, 2)]  # it is the step that runs: its wait is over
         assert d.violations == []
+
+
+async def test_a_retry_notice_while_the_lead_decides_about_another_step_does_not_promise_when(tmp_path: Path) -> None:
+    # Step 1 failed, the lead decides; step 2 went on and failed for a passing reason: "it runs again in about 5
+    # seconds". The lead then runs step 1 again, at once: step 2's wait ends while step 1 runs, and it waits for it.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        sleeps = HeldSleeps()
+        ex.sleep = sleeps
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="wrong file"), attempt=1)
+        assert d.asked_lead == [(plan.id, 1)]
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        notice = [a.text for a in d.actions if a.kind is ActionKind.NOTICE][-1]
+        assert "it runs again in about 5 seconds at the earliest (attempt 2 of 3)" in notice, notice
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        [waiting] = ex._waits.values()
+        sleeps.events[0].set()
+        await asyncio.wait_for(waiting, timeout=10)
+        assert running(d, plan.id) == [(1, 1), (2, 1), (1, 2)]  # step 2 waits for step 1's run: "at the earliest"
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert running(d, plan.id)[-1] == (2, 2)
+        assert d.violations == []
