@@ -749,6 +749,13 @@ class PlanExecutor:
             step = plan.steps.get(index)
             if step is None:
                 raise RepairRefused(f"there is no step {index} (steps 1..{len(plan.steps)})")
+            if (plan.id, index) in self._waits:
+                # pending on disk, but not "not run yet": the lead read the notice of its passing failure
+                raise RepairRefused(
+                    f"step {index} failed for a passing reason and runs again by itself once its backoff is over "
+                    f"(attempt {step.attempts + 1} of {self.max_attempts}); skip_step, replace_steps or abort_plan "
+                    "end that wait"
+                )
             if step.status is not StepStatus.FAILED:
                 raise RepairRefused(f"step {index} is {step.status.value}; only a failed step can be retried")
             if step.attempts >= MAX_STEP_ATTEMPTS:

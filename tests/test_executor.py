@@ -1166,3 +1166,25 @@ async def test_a_retry_notice_while_the_lead_decides_about_another_step_does_not
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
         assert running(d, plan.id)[-1] == (2, 2)
         assert d.violations == []
+
+
+async def test_the_leads_retry_of_a_step_waiting_out_its_backoff_is_told_it_runs_again_by_itself(
+    tmp_path: Path,
+) -> None:
+    # The lead, reading the notice, asked to retry the step: "step 1 is pending; only a failed step can be retried"
+    # — as if it had never run.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        with pytest.raises(RepairRefused) as refused:
+            await ex.retry_step("c", 1, "try harder", by="agent:kazma")
+        assert str(refused.value) == (
+            "step 1 failed for a passing reason and runs again by itself once its backoff is over (attempt 2 of 3); "
+            "skip_step, replace_steps or abort_plan end that wait"
+        )
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].spec.input == ""  # nothing of the refused retry was kept
+        assert running(d, plan.id) == [(1, 1), (2, 1)]
