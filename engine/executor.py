@@ -939,6 +939,13 @@ class PlanExecutor:
         lines = [f"Plan {plan.id} ({plan.status}): {plan.goal}"]
         for step in plan.steps.values():
             detail = step.output_summary or (step.failure_reason if step.status in _ENDED_WITHOUT else "")
+            if not detail and step.status is StepStatus.PENDING and step.attempts and step.failure_reason:
+                # it ran and failed for a passing reason: beside a step that went on meanwhile, a bare "pending"
+                # read as a step that never ran, jumped
+                total = f" of {self.max_attempts}" if step.attempts < self.max_attempts else ""
+                detail = (
+                    f"runs again (attempt {step.attempts + 1}{total}) after a passing failure: {step.failure_reason}"
+                )
             line = f"{step.index}. [{step.status.value}] {step.spec.title} — @{step.spec.assignee}"
             if detail:
                 line += f": {' '.join(detail.split())[:200]}"

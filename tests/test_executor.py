@@ -1188,3 +1188,21 @@ async def test_the_leads_retry_of_a_step_waiting_out_its_backoff_is_told_it_runs
         assert loaded is not None
         assert loaded.steps[1].spec.input == ""  # nothing of the refused retry was kept
         assert running(d, plan.id) == [(1, 1), (2, 1)]
+
+
+async def test_the_plan_view_says_a_step_waiting_out_its_backoff_runs_again_and_why(tmp_path: Path) -> None:
+    # /plan showed "1. [pending] step 1" beside "2. [in_progress] step 2": as if step 2 had jumped a step that never
+    # ran. It ran and failed for a passing reason; it runs again after its backoff.
+    async with executor(tmp_path / "p.db") as (ex, _):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429\n rate limited", transient=True), attempt=1)
+        view = [line for line in (await ex.describe("c")).splitlines() if not line.startswith("   ")]
+        assert (
+            view[1]
+            == "1. [pending] step 1 — @researcher: runs again (attempt 2 of 3) after a passing failure: HTTP 429 rate "
+            "limited"
+        )
+        assert view[2] == "2. [in_progress] step 2 — @researcher"
+        assert view[3] == "3. [pending] step 3 — @researcher"  # never ran: nothing to say
