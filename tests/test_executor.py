@@ -1206,3 +1206,24 @@ async def test_the_plan_view_says_a_step_waiting_out_its_backoff_runs_again_and_
         )
         assert view[2] == "2. [in_progress] step 2 — @researcher"
         assert view[3] == "3. [pending] step 3 — @researcher"  # never ran: nothing to say
+
+
+async def test_the_try_note_after_the_leads_retry_with_new_input_and_after_a_restart_counts_from_the_store(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        plan = await ex.start("c", spec(step(1, input="Find it."), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="wrong place"), attempt=1)
+        await ex.retry_step("c", 1, "Look in the archive.", by="agent:kazma")
+        [*_, again] = [a for a in d.actions if a.kind is ActionKind.DISPATCH]
+        assert again.note == "(try 2 of 3)"
+        assert again.text.startswith("Look in the archive.")
+    async with executor(path) as (ex, d):  # stopped while try 2 ran: interrupted, the lead runs it again
+        assert await ex.recover() == [(plan.id, 1)]
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id) == [(1, 3, "(try 3 of 3)")]
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=3)
+        assert d.asked_lead[-1] == (plan.id, 1)  # its third try was the executor's last
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4)")
