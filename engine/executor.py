@@ -438,22 +438,33 @@ class PlanExecutor:
             if delay > 0:
                 self._wait_then_reconcile(plan_id, index, delay)
             error = " ".join((result.error or "failed").split())[:300]
+            waiting = await self.store.load(plan_id)
+            other = None if delay <= 0 or waiting is None else self._next_step(waiting)
+            # Steps of the plan waiting out a backoff of their own: one whose wait ends first runs first, and this
+            # one then waits for all of its run.
+            also = [] if delay <= 0 or waiting is None else self._waiting_steps(waiting, but=index)
             when = f"in about {_seconds(delay)}" if delay > 0 else "now"
+            if other is not None and other.index == index:
+                # its wait ended while the plan was read (a store slow to answer): it is the step that runs next
+                other, when = None, "now"
+            elif other is not None or also or any(key[0] == plan_id for key in self._deciding):
+                # "runs again in about 5 seconds" would be wrong by however long the step run meanwhile takes (one
+                # the lead is deciding about may be run again before its wait ends)
+                when += " at the earliest"
             line = (
                 f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again {when} "
                 f"(attempt {step.attempts + 1} of {self.max_attempts})."
             )
-            waiting = await self.store.load(plan_id)
-            other = None if delay <= 0 or waiting is None else self._next_step(waiting)
             if other is not None:
-                # what the plan does next (under the same lock) is run that step: said, or "runs again in about 5
-                # seconds" would be wrong by however long the other step takes
-                line = (
-                    f"Plan: step {index} ({step.spec.title}) failed for a passing reason ({error}); it runs again "
-                    f"in about {_seconds(delay)} at the earliest (attempt {step.attempts + 1} of "
-                    f"{self.max_attempts}). Meanwhile step {other.index} ({other.spec.title}), which does not need "
-                    f"it, goes on; step {index} waits for it to end."
+                # what the plan does next (under the same lock) is run that step
+                line += (
+                    f" Meanwhile step {other.index} ({other.spec.title}), which does not need it, goes on; step "
+                    f"{index} waits for it to end."
                 )
+            if also:
+                names = ", ".join(f"step {s.index} ({s.spec.title})" for s in also)
+                line += f" {names[0].upper()}{names[1:]} {'wait' if len(also) > 1 else 'waits'} to run again too, "
+                line += "and one step runs at a time."
             return True, [Action(ActionKind.NOTICE, plan, step, line)]
         reason = result.error or "failed"
         if result.execution is not None and result.execution.changed_state:
@@ -554,6 +565,10 @@ class PlanExecutor:
         if plan.in_progress() or any(s.status is StepStatus.WAITING_FOR_USER for s in plan.steps.values()):
             return None  # one at a time; a question to a person pauses the plan
         return next((s for s in plan.ready() if (plan.id, s.index) not in self._waits), None)
+
+    def _waiting_steps(self, plan: Plan, *, but: int) -> list[Step]:
+        """The plan's steps (``but`` that one) waiting out a backoff in this process, lowest index first."""
+        return [s for i, s in sorted(plan.steps.items()) if i != but and (plan.id, i) in self._waits]
 
     async def _ask_for_user_step(self, plan: Plan, step: Step) -> list[Action]:
         if not await self.store.set_status(
@@ -734,6 +749,13 @@ class PlanExecutor:
             step = plan.steps.get(index)
             if step is None:
                 raise RepairRefused(f"there is no step {index} (steps 1..{len(plan.steps)})")
+            if (plan.id, index) in self._waits:
+                # pending on disk, but not "not run yet": the lead read the notice of its passing failure
+                raise RepairRefused(
+                    f"step {index} failed for a passing reason and runs again by itself once its backoff is over "
+                    f"(attempt {step.attempts + 1} of {self.max_attempts}); skip_step, replace_steps or abort_plan "
+                    "end that wait"
+                )
             if step.status is not StepStatus.FAILED:
                 raise RepairRefused(f"step {index} is {step.status.value}; only a failed step can be retried")
             if step.attempts >= MAX_STEP_ATTEMPTS:
@@ -917,6 +939,13 @@ class PlanExecutor:
         lines = [f"Plan {plan.id} ({plan.status}): {plan.goal}"]
         for step in plan.steps.values():
             detail = step.output_summary or (step.failure_reason if step.status in _ENDED_WITHOUT else "")
+            if not detail and step.status is StepStatus.PENDING and step.attempts and step.failure_reason:
+                # it ran and failed for a passing reason: beside a step that went on meanwhile, a bare "pending"
+                # read as a step that never ran, jumped
+                total = f" of {self.max_attempts}" if step.attempts < self.max_attempts else ""
+                detail = (
+                    f"runs again (attempt {step.attempts + 1}{total}) after a passing failure: {step.failure_reason}"
+                )
             line = f"{step.index}. [{step.status.value}] {step.spec.title} — @{step.spec.assignee}"
             if detail:
                 line += f": {' '.join(detail.split())[:200]}"

@@ -165,6 +165,8 @@ UNFENCED_TEXT: Mapping[str, str] = {
     "model; a tool's output and error are fenced as one block before the reply",
     "conversation.py:Conversations._post_result": _PEOPLE,
     "conversation.py:Conversations._lead_says": _PEOPLE,
+    "executor.py:PlanExecutor.describe": "/plan's view (a step's failure, or why a pending step runs again), to the "
+    "person who asked for it in the chat or the console: " + _PEOPLE,
     "executor.py:PlanExecutor._record": "the notice that a step failed for a passing reason and runs again, "
     "with its error as the sub-agent's own failure line said it: " + _PEOPLE,
     "swarm/commands.py:_describe": _PEOPLE,

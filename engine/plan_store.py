@@ -594,8 +594,16 @@ class PlanStore:
         if started_by is not None:
             where.append("replica = ?")
             params.append(started_by)
+        alone = expected is StepStatus.PENDING and new in _ACTIVE
+        if alone:
+            # One step of a plan at a time, said by the store: among replicas each chooses the step to start from
+            # what it read (and from backoffs only it knows of), and two compare-and-sets on two steps both won.
+            where.append(
+                "NOT EXISTS (SELECT 1 FROM plan_steps o WHERE o.plan_id = ? AND o.idx <> ? AND o.status IN (?, ?))"
+            )
+            params += [plan_id, index, *(s.value for s in _ACTIVE)]
         update = f"UPDATE plan_steps SET {', '.join(sets)} WHERE {' AND '.join(where)}"  # noqa: S608
-        return await self._moved(plan_id, update, params) == 1
+        return await self._moved(plan_id, update, params, lock=alone) == 1
 
     async def fail_interrupted(
         self,
@@ -645,14 +653,21 @@ class PlanStore:
         writer = await self.tables.writer()
         return await writer.submit(op)
 
-    async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any]) -> int:
+    async def _moved(self, plan_id: str | None, sql: str, params: Sequence[Any], *, lock: bool = False) -> int:
         """Run ``sql`` (a write that moves the plan); among replicas the plan is this replica's to drive from the
-        same commit on (one group commit of the writer: both or neither). How many rows ``sql`` changed."""
+        same commit on (one group commit of the writer: both or neither). How many rows ``sql`` changed.
+
+        ``lock``: ``sql`` reads the plan's other steps (a start, see :meth:`set_status`). Among replicas on
+        PostgreSQL the plan's row is locked first: another replica's start of the plan waits for this one's
+        commit, and its read then sees this step started (two reads before either write both saw none)."""
         if self.replica is None or plan_id is None:
             return await self.tables.run(sql, params)
         replica = self.replica
+        postgres = self.postgres
 
         def op(tx: Tx) -> int:
+            if lock and postgres:
+                tx.one("SELECT 1 FROM plans WHERE id = ? FOR UPDATE", (plan_id,))
             changed = tx.run(sql, params)
             if changed:
                 tx.run(_OWN, (replica, plan_id))

@@ -663,3 +663,52 @@ async def test_a_rate_limited_step_runs_again_after_a_backoff_said_once_in_the_c
         assert dispatches[0].startswith("[kazma] @builder Deploy.")
         assert "(try" not in dispatches[0]
         assert re.match(r"\[kazma\] @builder \(try 2 of 3\) Deploy\.", dispatches[1])
+
+
+async def test_a_step_in_backoff_lets_the_next_step_go_on_and_the_chat_says_it_in_order(tmp_path: Path) -> None:
+    # What people read while step 1 waits out its backoff: why and when, then step 2's hand-off (it does not need
+    # step 1), then step 1 again marked as its second try, and step 3 (which needs step 1) only after it.
+    def rate_limited(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("429 rate limited", permanent=False, status=429, retry_after=30.0)
+
+    plan = {
+        "goal": "release",
+        "steps": [
+            {"index": 1, "title": "deploy", "assignee": "builder", "input": "Deploy."},
+            {"index": 2, "title": "notes", "assignee": "researcher", "input": "Write notes.", "wait_for": []},
+            {"index": 3, "title": "announce", "assignee": "builder", "input": "Announce.", "wait_for": [1]},
+        ],
+    }
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", plan), ModelReply(content="Planned."), ModelReply(content="Done.")],
+        "builder": [rate_limited, ModelReply(content="Deployed."), ModelReply(content="Announced.")],
+        "researcher": [ModelReply(content="Notes written.")],
+    }
+    released = asyncio.Event()
+
+    async def held(delay: float) -> None:  # the executor's retry wait, held until the test lets it end
+        await released.wait()
+
+    async with kazma(tmp_path, scripts) as (app, fake):
+        app.executor.sleep = held
+        fake.push_message(CHAT, ALICE, "@kazma release", username="alice")
+        await said(fake, "[researcher] Notes written.")
+        await app.conversations.drain()
+        notice = next(t for t in texts(fake) if "failed for a passing reason" in t)
+        assert "runs again in about 30 seconds at the earliest (attempt 2 of 3)" in notice
+        assert "Meanwhile step 2 (notes), which does not need it, goes on; step 1 waits for it to end." in notice
+        assert not [t for t in texts(fake) if "I could not finish" in t]
+        assert (await last_plan(app)).steps[1].status is StepStatus.PENDING
+        released.set()
+        await said(fake, "Done.")
+        handed = [t for t in texts(fake) if t.startswith("[kazma] @")]
+        assert [re.sub(r"^\[kazma\] ", "", t).split("\n")[0] for t in handed] == [
+            "@builder Deploy.",
+            "@researcher Write notes.",
+            "@builder (try 2 of 3) Deploy.",
+            "@builder Announce.",
+        ]
+        order = texts(fake)
+        assert order.index(notice) < order.index(handed[1])  # said before step 2 goes on
+        loaded = await last_plan(app)
+        assert [s.status for s in loaded.steps.values()] == [StepStatus.DONE] * 3

@@ -78,6 +78,10 @@ class RecordingDispatcher:
                     self.violations.append(f"{action.plan.id} step {action.step.index} before dep {dep}")
             if plan.steps[action.step.index].status is not StepStatus.IN_PROGRESS:
                 self.violations.append(f"step {action.step.index} dispatched while not in progress")
+            busy = (StepStatus.IN_PROGRESS, StepStatus.WAITING_FOR_USER)
+            beside = [i for i, s in plan.steps.items() if i != action.step.index and s.status in busy]
+            if beside:  # one step at a time
+                self.violations.append(f"{action.plan.id} step {action.step.index} ran beside step {beside}")
             self.outstanding.append((action.plan.id, action.step.index, action.step.attempts))
 
     def dispatched(self) -> list[tuple[str, int]]:
@@ -363,8 +367,24 @@ def test_random_plans_failures_repairs_and_questions_never_dispatch_twice_or_ear
     asyncio.run(_drive(tmp_path_factory.mktemp("prop") / "p.db", drawn, random.Random(seed)))
 
 
-async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: random.Random) -> None:
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drawn=st.lists(plans(), min_size=1, max_size=3), seed=st.integers(0, 2**32 - 1))
+def test_random_plans_with_backoffs_ending_in_any_order_never_run_two_steps_at_once_or_one_twice(
+    tmp_path_factory: pytest.TempPathFactory, drawn: list[tuple[PlanSpec, dict[int, str]]], seed: int
+) -> None:
+    # The same, with each transient failure's backoff held until the driver ends it, at any point: beside other
+    # steps' completions, failures (transient ones too: two waits at once), questions and the lead's repairs.
+    asyncio.run(_drive(tmp_path_factory.mktemp("prop") / "p.db", drawn, random.Random(seed), backoffs=True))
+
+
+async def _drive(
+    path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: random.Random, *, backoffs: bool = False
+) -> None:
     async with executor(path) as (ex, d):
+        sleeps = HeldSleeps()
+        if backoffs:
+            ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+            ex.sleep = sleeps
         conversations = ["c1", "c1", "c2"]  # two plans may share a conversation (and its lock)
         origin = PlanOrigin("the request", REQUESTER)
         started = []
@@ -373,13 +393,19 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
             started.append(await ex.start(conversations[i] if i != 1 else "c3", plan_spec, origin))
         conversation_of = {plan.id: plan.conversation for plan in started}
         outcome_of = {plan.id: dict(outcomes) for plan, (_, outcomes) in zip(started, drawn, strict=True)}
-        transient_budget = {(plan.id, i): 1 for plan in started for i in plan.steps}
+        transient_budget = {(plan.id, i): 2 if backoffs else 1 for plan in started for i in plan.steps}
         asked: set[tuple[str, int]] = set()
         retried: set[tuple[str, int]] = set()
-        replaced_titles: dict[str, set[str]] = {plan.id: set() for plan in started}
+        # (plan, title) of each replaced step -> how many runs it had when replaced: a step waiting out a backoff
+        # is pending, and replaceable, after a run
+        replaced_titles: dict[tuple[str, str], int] = {}
         decided = 0
         for _ in range(2_000):
             calls: list[Awaitable[object]] = []
+            held = sleeps.held()
+            if held and (rng.random() < 0.3 or not (d.outstanding or d.questions or d.asked_lead)):
+                # a backoff ends: beside whatever else happens in this round
+                calls.append(sleeps.end(rng.choice(held)))
             if d.outstanding:
                 rng.shuffle(d.outstanding)
                 batch, d.outstanding[:] = d.outstanding[:2], d.outstanding[2:]
@@ -392,7 +418,9 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
                         asked.add((plan_id, index))
                         calls.append(ex.ask_user(plan_id, index, attempt, "which one?", ["a", "b"], asked_by="w"))
                         continue
-                    if kind == "transient" and transient_budget[(plan_id, index)] > 0:
+                    # with backoffs, any step may fail for a passing reason: waits overlap, and meet the rest
+                    passing = kind == "transient" or (backoffs and kind == "ok" and rng.random() < 0.5)
+                    if passing and transient_budget[(plan_id, index)] > 0:
                         transient_budget[(plan_id, index)] -= 1
                         result = StepResult(ok=False, error="timeout", transient=True)
                     elif kind == "fail":
@@ -430,7 +458,12 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
                             title = f"r{start_at}-{decided}"
                             new = [{"index": start_at, "title": title, "assignee": "builder", "wait_for": []}]
                             await ex.replace_steps(conversation, start_at, new, by="agent:kazma")
-                            replaced_titles[plan_id] |= old
+                            for gone in old:
+                                replaced_titles[(plan_id, gone)] = sum(
+                                    1 for a in d.actions
+                                    if a.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD) and a.plan.id == plan_id
+                                    and a.step and a.step.spec.title == gone
+                                )  # fmt: skip
                             outcome_of[plan_id][start_at] = "ok"
                             if rng.random() < 0.5:
                                 # and let the failed step go: whatever still waits on it runs now, so a
@@ -439,7 +472,7 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
                     await ex.lead_decided(plan_id, index)
                 except RepairRefused:
                     await ex.lead_decided(plan_id, index)
-            else:
+            elif not calls:
                 break
             await asyncio.gather(*calls)
         assert d.outstanding == []
@@ -452,9 +485,10 @@ async def _drive(path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: 
             if a.step is not None and a.kind in (ActionKind.DISPATCH, ActionKind.RUN_LEAD)
         ]
         assert len(runs) == len(set(runs)), "a step attempt was dispatched twice"
-        for plan_id, index, _, title in runs:
-            # a step is replaced only before it starts (the executor refuses otherwise), and never runs after
-            assert title not in replaced_titles[plan_id], f"replaced step {index} ({title}) of {plan_id} ran"
+        for (plan_id, title), before in replaced_titles.items():
+            # a step is replaced only while pending (the executor refuses otherwise), and never runs after
+            ran = sum(1 for p, _, _, t in runs if (p, t) == (plan_id, title))
+            assert ran == before, f"replaced step {title} of {plan_id} ran after its replacement"
         for plan in started:
             loaded = await ex.store.load(plan.id)
             assert loaded is not None
@@ -993,3 +1027,203 @@ async def test_skipping_a_step_that_waits_out_its_backoff_ends_the_wait(tmp_path
         assert not ex._waits
         await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), timeout=10)
         assert waiting.cancelled()
+
+
+class HeldSleeps:
+    """The executor's retry waits, each held on an event of its own until the test lets it end (in any order)."""
+
+    def __init__(self) -> None:
+        self.events: list[asyncio.Event] = []
+        self.delays: list[float] = []
+        self.tasks: dict[int, asyncio.Task[object]] = {}  # the wait's task, by its event's place in events
+
+    async def __call__(self, delay: float) -> None:
+        event = asyncio.Event()
+        self.events.append(event)
+        self.delays.append(delay)
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks[len(self.events) - 1] = task
+        await event.wait()
+
+    def held(self) -> list[int]:
+        """The waits still going (not ended, not cancelled)."""
+        return [i for i, e in enumerate(self.events) if not e.is_set() and not self.tasks[i].done()]
+
+    async def end(self, i: int) -> None:
+        """End wait ``i`` and let its task move the plan on."""
+        self.events[i].set()
+        await asyncio.gather(self.tasks[i], return_exceptions=True)
+
+
+def running(d: RecordingDispatcher, plan_id: str) -> list[tuple[int, int]]:
+    """(step, attempt) of every run of the plan handed out, in order."""
+    return [(a.step.index, a.step.attempts) for a in d.actions
+            if a.step is not None and a.plan.id == plan_id and a.kind in RUNS]  # fmt: skip
+
+
+async def test_two_steps_waiting_out_backoffs_at_once_each_run_once_one_at_a_time_and_the_notice_says_so(
+    tmp_path: Path,
+) -> None:
+    # Step 1 waits out its backoff, step 2 goes on and fails for a passing reason too. Its notice said "it runs again
+    # in about 5 seconds" — but step 1's wait may end first, and step 2 then waits for all of step 1's run.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        sleeps = HeldSleeps()
+        ex.sleep = sleeps
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1, 2])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        assert running(d, plan.id) == [(1, 1), (2, 1)]
+        notice = [a.text for a in d.actions if a.kind is ActionKind.NOTICE][-1]
+        assert notice == (
+            "Plan: step 2 (step 2) failed for a passing reason (HTTP 503); it runs again in about 5 seconds at the "
+            "earliest (attempt 2 of 3). Step 1 (step 1) waits to run again too, and one step runs at a time."
+        )
+        first, second = ex._waits[(plan.id, 1)], ex._waits[(plan.id, 2)]
+        sleeps.events[0].set()  # step 1's wait ends first: it runs
+        await asyncio.wait_for(first, timeout=10)
+        assert running(d, plan.id) == [(1, 1), (2, 1), (1, 2)]
+        sleeps.events[1].set()  # step 2's ends while step 1 runs: it waits for it, not beside it
+        await asyncio.wait_for(second, timeout=10)
+        assert running(d, plan.id) == [(1, 1), (2, 1), (1, 2)]
+        assert not ex._waits
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert running(d, plan.id)[-1] == (2, 2)
+        assert dispatches(d, plan.id)[-1] == (2, 2, "(try 2 of 3)")
+        await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=2)
+        assert running(d, plan.id)[-1] == (3, 1)
+        await ex.complete(plan.id, 3, StepResult(ok=True, summary="three"), attempt=1)
+        assert last_kind(d) is ActionKind.FINISHED
+        assert d.violations == []
+
+
+async def test_a_restart_during_a_backoff_with_another_step_running_runs_the_waiting_step_once(tmp_path: Path) -> None:
+    # Step 1 waits out its backoff (in memory), step 2 runs; the process stops. At the start step 2 is interrupted
+    # (the lead asked), and step 1 — pending on disk, its wait gone — must run once: not never, not twice.
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        assert running(d, plan.id) == [(1, 1), (2, 1)]
+        [waiting] = ex._waits.values()
+        waiting.cancel()  # the process stops
+    async with executor(path) as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        assert await ex.recover() == [(plan.id, 2)]
+        assert d.asked_lead == [(plan.id, 2)]
+        assert running(d, plan.id) == []  # the lead decides first: nothing runs beside its turn's repair
+        await ex.lead_decided(plan.id, 2, 1)  # the lead gave step 2 up
+        assert dispatches(d, plan.id) == [(1, 2, "(try 2 of 3)")]
+        await ex.lead_decided(plan.id, 2, 1)
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert running(d, plan.id) == [(1, 2), (3, 1)]
+        assert d.violations == []
+
+
+async def test_a_backoff_over_before_its_notice_is_written_is_not_said_to_wait_for_itself(tmp_path: Path) -> None:
+    # The wait's task runs while the notice reads the plan (a store slow to answer, a backoff of a few seconds):
+    # its step is ready again and the lowest, so the notice named it as the step that "goes on" meanwhile.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+
+        async def over(delay: float) -> None:
+            return None
+
+        ex.sleep = over
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        notice = next(a.text for a in d.actions if a.kind is ActionKind.NOTICE)
+        assert (
+            notice
+            == "Plan: step 1 (step 1) failed for a passing reason (HTTP 429); it runs again now (attempt 2 of 3)."
+        )
+        assert running(d, plan.id) == [(1, 1), (1, 2)]  # it is the step that runs: its wait is over
+        assert d.violations == []
+
+
+async def test_a_retry_notice_while_the_lead_decides_about_another_step_does_not_promise_when(tmp_path: Path) -> None:
+    # Step 1 failed, the lead decides; step 2 went on and failed for a passing reason: "it runs again in about 5
+    # seconds". The lead then runs step 1 again, at once: step 2's wait ends while step 1 runs, and it waits for it.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        sleeps = HeldSleeps()
+        ex.sleep = sleeps
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="wrong file"), attempt=1)
+        assert d.asked_lead == [(plan.id, 1)]
+        await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        notice = [a.text for a in d.actions if a.kind is ActionKind.NOTICE][-1]
+        assert "it runs again in about 5 seconds at the earliest (attempt 2 of 3)" in notice, notice
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        [waiting] = ex._waits.values()
+        sleeps.events[0].set()
+        await asyncio.wait_for(waiting, timeout=10)
+        assert running(d, plan.id) == [(1, 1), (2, 1), (1, 2)]  # step 2 waits for step 1's run: "at the earliest"
+        await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
+        assert running(d, plan.id)[-1] == (2, 2)
+        assert d.violations == []
+
+
+async def test_the_leads_retry_of_a_step_waiting_out_its_backoff_is_told_it_runs_again_by_itself(
+    tmp_path: Path,
+) -> None:
+    # The lead, reading the notice, asked to retry the step: "step 1 is pending; only a failed step can be retried"
+    # — as if it had never run.
+    async with executor(tmp_path / "p.db") as (ex, d):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        with pytest.raises(RepairRefused) as refused:
+            await ex.retry_step("c", 1, "try harder", by="agent:kazma")
+        assert str(refused.value) == (
+            "step 1 failed for a passing reason and runs again by itself once its backoff is over (attempt 2 of 3); "
+            "skip_step, replace_steps or abort_plan end that wait"
+        )
+        loaded = await ex.store.load(plan.id)
+        assert loaded is not None
+        assert loaded.steps[1].spec.input == ""  # nothing of the refused retry was kept
+        assert running(d, plan.id) == [(1, 1), (2, 1)]
+
+
+async def test_the_plan_view_says_a_step_waiting_out_its_backoff_runs_again_and_why(tmp_path: Path) -> None:
+    # /plan showed "1. [pending] step 1" beside "2. [in_progress] step 2": as if step 2 had jumped a step that never
+    # ran. It ran and failed for a passing reason; it runs again after its backoff.
+    async with executor(tmp_path / "p.db") as (ex, _):
+        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        ex.sleep = HeldSleeps()
+        plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429\n rate limited", transient=True), attempt=1)
+        view = [line for line in (await ex.describe("c")).splitlines() if not line.startswith("   ")]
+        assert (
+            view[1]
+            == "1. [pending] step 1 — @researcher: runs again (attempt 2 of 3) after a passing failure: HTTP 429 rate "
+            "limited"
+        )
+        assert view[2] == "2. [in_progress] step 2 — @researcher"
+        assert view[3] == "3. [pending] step 3 — @researcher"  # never ran: nothing to say
+
+
+async def test_the_try_note_after_the_leads_retry_with_new_input_and_after_a_restart_counts_from_the_store(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.db"
+    async with executor(path) as (ex, d):
+        plan = await ex.start("c", spec(step(1, input="Find it."), step(2)))
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="wrong place"), attempt=1)
+        await ex.retry_step("c", 1, "Look in the archive.", by="agent:kazma")
+        [*_, again] = [a for a in d.actions if a.kind is ActionKind.DISPATCH]
+        assert again.note == "(try 2 of 3)"
+        assert again.text.startswith("Look in the archive.")
+    async with executor(path) as (ex, d):  # stopped while try 2 ran: interrupted, the lead runs it again
+        assert await ex.recover() == [(plan.id, 1)]
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id) == [(1, 3, "(try 3 of 3)")]
+        await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=3)
+        assert d.asked_lead[-1] == (plan.id, 1)  # its third try was the executor's last
+        await ex.retry_step("c", 1, None, by="agent:kazma")
+        assert dispatches(d, plan.id)[-1] == (1, 4, "(try 4)")

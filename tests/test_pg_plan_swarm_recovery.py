@@ -19,6 +19,7 @@ import pytest
 
 from kazma.bot.app import build_app
 from kazma.config import load_config_text
+from kazma.config.backoff import Backoff
 from kazma.config.store.postgres import PgStore
 from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.model import ScriptedProvider
@@ -32,7 +33,7 @@ from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary
 from tests.audit_support import AUDIT_KEY
 from tests.store_backends import replica_store
 from tests.swarm_rig import config as swarm_config
-from tests.test_executor import WORKERS, RecordingDispatcher
+from tests.test_executor import WORKERS, HeldSleeps, RecordingDispatcher, running
 
 WAIT = 30.0
 CHAT = "telegram:-1"
@@ -299,3 +300,101 @@ async def test_the_interrupted_line_does_not_say_a_replica_judged_gone_stopped(p
     assert "replica running it stopped" not in lines[0]
     assert "judged gone" in lines[0]
     assert "if it still runs, it stops the task" in lines[0]
+
+
+async def test_a_step_in_backoff_on_a_replica_judged_gone_runs_once_whoever_moves_the_plan_on(pg_dsn: str) -> None:
+    """Replica a: step 1 waits out its backoff (in a's memory), step 2 went on meanwhile and runs on a. a stalls and
+    is judged gone: b fails step 2 as interrupted, takes the plan over, and its lead gives step 2 up, so b hands
+    step 1 out. Then a's wait ends (a was only paused): it must not hand step 1 out a second time, nor run anything
+    beside it, and what comes after step 1 runs once, on b."""
+    async with replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
+        a, on_a = _executor(PlanStore(sa, replica="a"))
+        a.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        sleeps = HeldSleeps()
+        a.sleep = sleeps
+        steps = [StepSpec(index=1, title="build", assignee="builder", input="build"),
+                 StepSpec(index=2, title="docs", assignee="researcher", input="docs", wait_for=[]),
+                 StepSpec(index=3, title="ship", assignee="builder", input="ship", wait_for=[1])]  # fmt: skip
+        plan = await a.start(CHAT, _plan(*steps), PlanOrigin("ship it", REQUESTER))
+        await a.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        assert running(on_a, plan.id) == [(1, 1), (2, 1)]
+        [waiting] = a._waits.values()
+
+        b, on_b = _executor(PlanStore(sb, replica="b"))
+        failed, actions = await _within(b.mark_interrupted({"b"}))
+        assert failed == [(plan.id, 2)]
+        await b.perform(actions)
+        assert on_b.asked_lead == [(plan.id, 2)]
+        assert running(on_b, plan.id) == []  # the lead decides first
+        await b.lead_decided(plan.id, 2, 1)  # it gives step 2 up
+        assert running(on_b, plan.id) == [(1, 2)]
+        assert await b.store.owner(plan.id) == "b"
+
+        sleeps.events[0].set()  # a goes on: its wait ends
+        await _within(waiting)
+        assert running(on_a, plan.id) == [(1, 1), (2, 1)], "a handed a step out beside b's"
+        again, told = await _within(b.mark_interrupted({"b"}))  # the next sweep: nothing left to repair
+        assert (again, told) == ([], [])
+        await b.complete(plan.id, 1, StepResult(ok=True, summary="built"), attempt=2)
+        assert running(on_b, plan.id) == [(1, 2), (3, 1)]
+        assert on_a.violations == on_b.violations == []
+
+
+class StallingStarts(PlanStore):
+    """A replica's plan store whose next start of a step (pending -> in progress) waits at the gate: it read the
+    plan idle and chose its step, and has not written yet."""
+
+    def __init__(self, conn: PgStore, replica: str, gate: Gate) -> None:
+        super().__init__(conn, replica=replica)
+        self.gate: Gate | None = gate
+
+    async def set_status(self, plan_id: str, index: int, expected: StepStatus, new: StepStatus, **kw: Any) -> bool:
+        if self.gate is not None and expected is StepStatus.PENDING and new is StepStatus.IN_PROGRESS:
+            gate, self.gate = self.gate, None
+            await gate.through()
+        return await super().set_status(plan_id, index, expected, new, **kw)
+
+
+async def test_two_replicas_moving_a_plan_with_backoffs_at_once_never_start_two_of_its_steps(pg_dsn: str) -> None:
+    """Replica a: steps 1 and 2 wait out backoffs (in a's memory), a person is asked step 3. The person's answer is
+    taken on b, which knows of no backoff and chooses step 1; as it writes, step 2's wait ends on a, which chooses
+    step 2 (step 1 still waits, for a). Each compare-and-set was on its own step: both ran, at once."""
+    gate = Gate()
+    async with replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
+        a, on_a = _executor(PlanStore(sa, replica="a"))
+        a.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+        sleeps = HeldSleeps()
+        a.sleep = sleeps
+        steps = [StepSpec(index=1, title="build", assignee="builder", input="build"),
+                 StepSpec(index=2, title="docs", assignee="researcher", input="docs", wait_for=[]),
+                 StepSpec(index=3, title="region", assignee="user", input="which region?", wait_for=[]),
+                 StepSpec(index=4, title="ship", assignee="builder", input="ship", wait_for=[1, 2, 3])]  # fmt: skip
+        plan = await a.start(CHAT, _plan(*steps), PlanOrigin("ship it", REQUESTER))
+        await a.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
+        await a.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
+        [question] = on_a.questions
+        assert len(a._waits) == 2
+
+        b, on_b = _executor(StallingStarts(sb, "b", gate))
+        answering = asyncio.create_task(b.answer(question, "eu", actor=REQUESTER))
+        await _within(gate.stalled.wait())  # b chose step 1 and is about to start it
+        second = a._waits[(plan.id, 2)]
+        sleeps.events[1].set()  # step 2's wait ends on a
+        await _within(second)
+        gate.open.set()
+        await _within(answering)
+
+        loaded = await b.store.load(plan.id)
+        assert loaded is not None
+        started = sorted(i for i, s in loaded.steps.items() if s.status is StepStatus.IN_PROGRESS)
+        assert started == [2], f"steps {started} run at once"
+        # b's start lost: step 1 is still pending, and runs once after its wait and step 2, on a
+        assert loaded.steps[1].status is StepStatus.PENDING
+        first = a._waits[(plan.id, 1)]
+        sleeps.events[0].set()
+        await _within(first)
+        assert running(on_a, plan.id) == [(1, 1), (2, 1), (2, 2)]
+        await a.complete(plan.id, 2, StepResult(ok=True, summary="docs"), attempt=2)
+        assert running(on_a, plan.id)[-1] == (1, 2)
+        assert running(on_b, plan.id) == []
+        assert on_a.violations == on_b.violations == []
