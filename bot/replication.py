@@ -291,10 +291,12 @@ class Replication:
         async def read() -> tuple[tuple[str, int] | None, LeaderInbound | None]:
             nonlocal refuses
             # "reachable" was told by reads alone: a database that refuses writes answered 200 on every replica
-            # while every press failed to record its decision. The writer's own session first: it is the one that
+            # while every press failed to record its decision. The writer's own session counts: it is the one that
             # writes, and it may refuse while the read pool's take writes (each took the database's default
-            # transaction_read_only when it opened).
-            refuses = self.store.refusing_writes is not None or await read_only(self.store.pool)
+            # transaction_read_only when it opened). A refusal it met is not the answer for good: it dropped that
+            # session, and once the database takes writes again its next one does (read_only asks one opened now).
+            refused = self.store.refusing_writes is not None
+            refuses = await read_only(self.store.pool, self.store.conninfo, writer_refused=refused)
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a

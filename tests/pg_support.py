@@ -26,11 +26,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
 
 SUPERUSER = "kazma"
 ADMIN_APPLICATION = "kazma-test-admin"
@@ -347,3 +349,15 @@ def pg_database(pg_server: PostgresServer) -> Iterator[PgDatabase]:
 def pg_dsn(pg_database: PgDatabase) -> str:
     """DSN of this test's own empty database."""
     return pg_database.dsn
+
+
+async def every_pool_session_opened_now(pool: AsyncConnectionPool[Any], transaction_read_only: str) -> None:
+    """The pool's sessions all replaced by ones opened now, as many as it holds (a pool opens sessions when it
+    grows, when one was lost or grew old), each checked to say ``transaction_read_only``: no session opened
+    before is left for a later use to land on."""
+    await pool.drain()  # the ones out now are closed when they come back
+    async with contextlib.AsyncExitStack() as held:
+        for _ in range(pool.max_size):
+            conn = await held.enter_async_context(pool.connection())
+            cursor = await conn.execute("SHOW transaction_read_only")
+            assert await cursor.fetchone() == (transaction_read_only,)

@@ -36,6 +36,7 @@ from kazma.config.store.postgres import PgStore
 from kazma.config.waits import bounded
 from tests.audit_support import AUDIT_KEY
 from tests.fakes.telegram import Fault
+from tests.pg_support import every_pool_session_opened_now
 from tests.platforms_support import TG_ADMIN, TG_CHAT, Fakes, adapters_for, three_fakes
 from tests.store_backends import replica_store
 from tests.test_healthz_platforms import healthz, served
@@ -704,6 +705,38 @@ async def test_a_store_that_refuses_writes_is_503_not_ok_on_every_replica(
         await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
 
 
+@contextlib.asynccontextmanager
+async def _read_only_database(
+    a: App, admin: psycopg.AsyncConnection[Any]
+) -> AsyncIterator[tuple[PgStore, Callable[[], Awaitable[str]]]]:
+    """``ALTER DATABASE ... SET default_transaction_read_only = on`` with the writer's session ended (a network
+    blip, a pooler) until a write of a's is refused; RESET when the body ends. Yields a's store and a write."""
+    store = a.stores.pg
+    assert isinstance(store, PgStore)
+    tables = tables_of(store)
+    database = psycopg.sql.Identifier(admin.info.dbname)
+
+    async def write() -> str:
+        try:
+            await tables.run("DELETE FROM leader_inbound WHERE replica = 'nobody'")
+        except psycopg.errors.ReadOnlySqlTransaction:
+            return "refused"
+        except psycopg.OperationalError:  # the writer's session was ended: the next write opens another
+            return "lost"
+        return "taken"
+
+    async def refused() -> bool:
+        return await write() == "refused"
+
+    await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database))
+    try:
+        await admin.execute("SELECT pg_terminate_backend(%s)", (store.writer_pid,))
+        await until(refused, timeout=15.0)
+        yield store, write
+    finally:
+        await admin.execute(psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database))
+
+
 async def test_a_writer_whose_own_session_refuses_writes_is_503_and_writes_again_once_the_database_takes_them(
     tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -712,42 +745,36 @@ async def test_a_writer_whose_own_session_refuses_writes_is_503_and_writes_again
     refuses writes, one opened before takes them: the writer, reconnected meanwhile, refused every press's write
     while /healthz said 200 "ok ... store reachable". And once the database took writes again (RESET), the writer
     kept its read-only session (a refused write leaves the connection open) and refused every write for good,
-    /healthz still "ok", until a restart."""
+    /healthz still "ok", until a restart. The read pool's sessions opened in the read-only time keep refusing
+    writes after the RESET too: /healthz asked one and said 503 "refusing writes" while every write was taken."""
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
     async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
-        store = a.stores.pg
-        assert isinstance(store, PgStore)
-        tables = tables_of(store)
-        database = psycopg.sql.Identifier(admin.info.dbname)
-
-        async def write() -> str:
-            try:
-                await tables.run("DELETE FROM leader_inbound WHERE replica = 'nobody'")
-            except psycopg.errors.ReadOnlySqlTransaction:
-                return "refused"
-            except psycopg.OperationalError:  # the writer's session was ended: the next write opens another
-                return "lost"
-            return "taken"
-
-        await admin.execute(
-            psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
-        )
-        try:
-            # Only the writer's session ends (a network blip, a pooler): the read pool's keep taking writes.
-            await admin.execute("SELECT pg_terminate_backend(%s)", (store.writer_pid,))
-
-            async def refused() -> bool:
-                return await write() == "refused"
-
-            await until(refused, timeout=15.0)
+        async with _read_only_database(a, admin) as (store, write):
             status, lines = await healthz(url)
             assert (status, lines[0].startswith("not deciding: the store refuses writes")) == (503, True), lines
             assert "store reachable, refusing writes (read-only)" in lines, lines
-        finally:
-            await admin.execute(
-                psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
-            )
+            await every_pool_session_opened_now(store.pool, "on")
         assert await write() == "taken"  # the first write since, not one after a restart
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+        async with store.pool.connection() as conn:  # the stale sessions were replaced, not only stepped around
+            cursor = await conn.execute("SHOW transaction_read_only")
+            assert await cursor.fetchone() == ("off",)
+
+
+async def test_a_writer_that_met_a_read_only_database_is_not_503_once_the_database_takes_writes_before_it_writes(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's refusal stood until its next write was taken: a replica with nothing to write (a follower, a
+    quiet night) answered 503 "refusing writes" long after the operator's RESET, every write there taken."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 3600.0)  # no record written again in the test
+    async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
+        async with _read_only_database(a, admin) as (store, _):
+            assert store.refusing_writes is not None
+            status, lines = await healthz(url)
+            assert (status, lines[0].startswith("not deciding: the store refuses writes")) == (503, True), lines
+        assert store.refusing_writes is not None  # nothing written since
         status, lines = await healthz(url)
         assert (status, lines[0]) == (200, "ok"), lines
 

@@ -22,9 +22,10 @@ from kazma.approvals.store import ApprovalStore, CardCheck, CardProblem
 from kazma.bot.store import pg_migrations
 from kazma.config.store.backend import StoreBackend, Tx
 from kazma.config.store.database import open_database
+from kazma.config.store.pg_tables import PgTables
 from kazma.config.store.postgres import PgStore, apply_pg_migrations, open_pg_store, pyformat
 from tests.approvals_support import ManualClock
-from tests.pg_support import find_bindir
+from tests.pg_support import every_pool_session_opened_now, find_bindir
 from tests.store_backends import NO_SERVER, Engine
 
 
@@ -472,6 +473,36 @@ async def test_a_lost_connection_fails_the_group_and_the_next_one_reconnects(pg_
         assert won
         assert row is not None
         assert row.decided_by == "web:b"
+    finally:
+        await store.close()
+
+
+async def test_a_transaction_on_a_pool_session_opened_while_the_database_was_read_only_is_taken_once_it_takes_writes(
+    pg_url: str,
+) -> None:
+    """A pool session takes the database's default_transaction_read_only when it opens and keeps it: after the
+    operator's RESET, a plan step's, a transcript's or the audit's transaction that landed on one opened in the
+    read-only time was refused (ReadOnlySqlTransaction), every write of the writer taken, until the pool
+    replaced the session an hour later."""
+    store = await open_pg_store(pg_url, migrations=pg_migrations(), application_name="kazma-stale")
+    try:
+        tables = PgTables.of(store)
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as admin:
+            database = psycopg.sql.Identifier(admin.info.dbname)
+            await admin.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+            )
+            try:
+                await every_pool_session_opened_now(store.pool, "on")
+                with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+                    async with tables.transaction() as tx:
+                        await tx.run("DELETE FROM kazma_schema WHERE component = 'nobody'")
+            finally:
+                await admin.execute(
+                    psycopg.sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
+                )
+        async with tables.transaction() as tx:
+            assert await tx.run("DELETE FROM kazma_schema WHERE component = 'nobody'") == 0
     finally:
         await store.close()
 

@@ -26,6 +26,7 @@ import psycopg
 import structlog
 
 from kazma.config.store.postgres import PgStore, PgWriter, pyformat
+from kazma.config.store.replicas import read_only
 
 log = structlog.get_logger("kazma.store")
 
@@ -113,7 +114,7 @@ class PgTables:
     async def transaction(self) -> AsyncIterator[PgStatements]:
         """``BEGIN`` … ``COMMIT`` under the transaction lock; rolled back on any failure, a failed COMMIT included."""
         await (await self.store.writer()).caught_up()
-        async with self.store.pool.connection() as conn:
+        async with self._session_for_writes() as conn:
             await conn.execute("BEGIN")
             try:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.lock_key,))
@@ -122,6 +123,21 @@ class PgTables:
                 await _rollback(conn)
                 raise
             await conn.execute("COMMIT")
+
+    @asynccontextmanager
+    async def _session_for_writes(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pool session to write on. One that opened while the database's ``default_transaction_read_only`` was on
+        keeps it for its life: after the operator's RESET, every write that landed on it was refused, until the
+        pool replaced it (an hour later) or /healthz happened to. The server reports the session's setting with
+        every change (PostgreSQL 14 and later), so this costs no round trip while the session takes writes."""
+        async with self.store.pool.connection() as conn:
+            if conn.info.parameter_status("default_transaction_read_only") != "on":
+                yield conn
+                return
+        # Asked of a session opened now: the pool's sessions are renewed when the database takes writes again.
+        await read_only(self.store.pool, self.store.conninfo)
+        async with self.store.pool.connection() as conn:
+            yield conn
 
 
 async def _rollback(conn: psycopg.AsyncConnection[Any]) -> None:

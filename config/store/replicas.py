@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from kazma.config.store.leader import LeaderLease
@@ -25,6 +27,7 @@ _HOLDER = (
     " WHERE datname = current_database()) AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = 1"
 )
 PREFIX = LeaderLease.APPLICATION_PREFIX
+log = structlog.get_logger("kazma.store")
 
 
 async def live_replicas(pool: AsyncConnectionPool[Any]) -> set[str]:
@@ -35,16 +38,40 @@ async def live_replicas(pool: AsyncConnectionPool[Any]) -> set[str]:
 
 
 # Whether this database takes writes: a standby promoted away from (the DSN names a hot standby after a failover)
-# or default_transaction_read_only answers every read and refuses every decision.
-_READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+# or default_transaction_read_only answers every read and refuses every decision. pg_is_in_recovery() is asked of
+# the server now; transaction_read_only is the session's, which took the database's and role's
+# default_transaction_read_only when it opened and keeps it (ALTER DATABASE ... SET/RESET reach new sessions only).
+_READ_ONLY = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'"
 
 
-async def read_only(pool: AsyncConnectionPool[Any]) -> bool:
-    """Whether a connection of ``pool`` refuses writes (a standby, or a read-only default)."""
+async def _refuses(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, bool]:
+    """Whether the server is a standby, and whether ``conn``'s session refuses writes."""
+    cursor = await conn.execute(_READ_ONLY)
+    row = await cursor.fetchone()
+    return (bool(row[0]), bool(row[1])) if row else (False, False)
+
+
+async def read_only(pool: AsyncConnectionPool[Any], conninfo: str, *, writer_refused: bool = False) -> bool:
+    """Whether the database refuses writes now: a standby, or a read-only default that a session opened now takes.
+
+    A pool session that opened while ``default_transaction_read_only`` was on refuses writes for its life: after
+    the operator's RESET, /healthz landing on it said "refusing writes" (503) while every write was taken. Its
+    answer, and the writer's refusal (``writer_refused``: the writer dropped that session, its next one opens
+    now), are checked on a session of ``conninfo`` opened for the question. A pool session found stale so, the
+    pool's sessions are renewed: a write through ``PgTables.transaction()`` takes a pool session too."""
     async with pool.connection() as conn:
-        cursor = await conn.execute(_READ_ONLY)
-        row = await cursor.fetchone()
-        return bool(row and row[0])
+        standby, session_refuses = await _refuses(conn)
+    if standby:
+        return True
+    if not (session_refuses or writer_refused):
+        return False
+    name = f"{pool.name}-check"
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=name) as fresh:
+        standby, refuses = await _refuses(fresh)
+    if session_refuses and not (standby or refuses):
+        log.info("store.read_only_sessions_renewed", backend="postgresql", pool=pool.name)
+        await pool.drain()
+    return standby or refuses
 
 
 async def lease_holder(pool: AsyncConnectionPool[Any], key: int) -> str | None:
