@@ -40,6 +40,7 @@ from kazma.config.metrics import failure_count
 from kazma.config.models import MatrixConfig
 from kazma.config.waits import until_set
 from tests.contract.harness import MatrixHarness, make_card, outcome_of
+from tests.matrix_support import SynapseError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*retry_after.*:telegram.warnings.PTBDeprecationWarning")
 
@@ -1088,10 +1089,10 @@ async def served_public_room(harness: MatrixHarness) -> tuple[MatrixAdapter, str
     return adapter, room
 
 
-async def upgraded(harness: MatrixHarness, room: str) -> str:
-    """``room`` upgraded by its admin: the replacement's id."""
+async def upgraded(harness: MatrixHarness, room: str, version: str = "10") -> str:
+    """``room`` upgraded by its admin (Synapse's own upgrade): the replacement's id."""
     path = f"/_matrix/client/v3/rooms/{quote(room)}/upgrade"
-    answer = await asyncio.to_thread(harness.people[harness.admin].request, "POST", path, {"new_version": "10"})
+    answer = await asyncio.to_thread(harness.people[harness.admin].request, "POST", path, {"new_version": version})
     return str(answer["replacement_room"])
 
 
@@ -1109,11 +1110,11 @@ async def test_a_replacement_room_the_homeserver_failed_to_join_once_is_joined_w
         members = alice.request("GET", f"/_matrix/client/v3/rooms/{quote(new)}/joined_members")["joined"]
         return bot.user_id in members
 
-    async with asyncio.timeout(60):
-        while not await asyncio.to_thread(bot_joined):
+    async with asyncio.timeout(60):  # joined, then moved once the replacement showed itself the successor
+        while adapter.moved_to(room) != new:
             await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(bot_joined)
     assert harness.proxy.count("POST", JOIN) == 2  # the failed join, then the one with the batch again
-    assert adapter.moved_to(room) == new
     await harness.say(new, harness.admin, "in the replacement")
     assert await texts_arrived(harness, 2) == ["before the upgrade", "in the replacement"]
 
@@ -1124,7 +1125,8 @@ async def test_a_replacement_room_the_homeserver_never_joins_holds_the_sync_for_
     # The join at a tombstone is tried again with the batch while it fails with a 5xx: one that fails for ever (the
     # replacement's only server down: "Failed to make_join via any server", a 502) held every room's later events
     # behind the tombstone for ever, as a card the homeserver never shows did. After upgrade_join_tries the
-    # tombstone is passed by (the room served as its replacement all the same), counted.
+    # tombstone is passed by, counted; the chat stays where it was (a replacement never read is not shown to be the
+    # room's successor) until the bot is invited there.
     adapter, room = await served_public_room(harness)
     adapter.upgrade_join_tries = 2
     before = failure_count("matrix_upgrade_join_failed", "matrix")
@@ -1136,8 +1138,78 @@ async def test_a_replacement_room_the_homeserver_never_joins_holds_the_sync_for_
     await harness.say(harness.home, harness.admin, "after the upgrade")
     assert await texts_arrived(harness, 2, timeout=60) == ["before the upgrade", "after the upgrade"]
     assert harness.proxy.count("POST", JOIN) == 2  # not tried again: the sync has moved past the tombstone
-    assert adapter.moved_to(room) == new
+    assert adapter.moved_to(room) == room != new
     assert failure_count("matrix_upgrade_join_failed", "matrix") == before + 1
+
+
+def membership(person: Any, room: str, user: str) -> str | None:
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/state/m.room.member/{quote(user)}"
+    try:
+        return str(person.request("GET", path)["membership"])
+    except SynapseError:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("claims", "invited"),
+    [(False, False), (True, False), (True, True)],
+    ids=["a room of ones own", "one claiming the room without the tombstone", "the same, invited"],
+)
+async def test_a_tombstone_naming_a_room_that_is_no_upgrade_moves_nothing_and_the_bot_leaves_it(
+    harness: MatrixHarness, claims: bool, invited: bool
+) -> None:
+    # Anyone with power level 100 in a served room may send a tombstone naming any room. Taken for an upgrade, the
+    # chat moved there: every later card (a dangerous call with its arguments) was posted in the sender's own room,
+    # and presses there decided. A room made to name the served one as its predecessor is no successor either (room
+    # version 10): a real upgrade's create event names the tombstone itself, sent after the room was made.
+    alice, bot = harness.people[harness.admin], harness.bot
+    adapter, room = await served_public_room(harness)
+    before = failure_count("matrix_upgrade_forged", "matrix")
+
+    def forge() -> str:
+        made: dict[str, Any] = {"preset": "public_chat", "invite": [bot.user_id] if invited else [], "name": "mine"}
+        if claims:
+            made |= {"room_version": "10", "creation_content": {"predecessor": {"room_id": room}}}
+        mine = str(alice.request("POST", "/_matrix/client/v3/createRoom", made)["room_id"])
+        path = f"/_matrix/client/v3/rooms/{quote(room)}/state/m.room.tombstone"
+        alice.request("PUT", path, {"body": "moved", "replacement_room": mine})
+        return mine
+
+    with structlog.testing.capture_logs() as logged:
+        mine = await asyncio.to_thread(forge)
+        async with asyncio.timeout(60):
+            while failure_count("matrix_upgrade_forged", "matrix") == before:
+                await asyncio.sleep(0.1)
+        async with asyncio.timeout(30):  # the leave follows the count
+            while await asyncio.to_thread(membership, alice, mine, bot.user_id) != "leave":
+                await asyncio.sleep(0.1)
+    assert adapter.moved_to(room) == room
+    assert room in adapter.served
+    assert mine not in adapter.served
+    [forged] = [e for e in logged if e["event"] == "matrix.upgrade_forged"]
+    assert (forged["room"], forged["replacement"], forged["sender"]) == (room, mine, alice.user_id)
+    # the served room is still the chat: what is said there arrives from it
+    await harness.say(room, harness.admin, "still here")
+    assert await texts_arrived(harness, 2) == ["before the upgrade", "still here"]
+    assert harness.recorder.inbound[-1].chat == room
+
+
+@pytest.mark.parametrize("version", ["10", "12"])
+async def test_a_real_upgrade_of_a_public_room_moves_the_chat_at_the_tombstone(
+    harness: MatrixHarness, version: str
+) -> None:
+    # Synapse's upgrade names the old room and the tombstone in the new room's create event; from room version 12
+    # on (the room's id its create event's hash, made before the tombstone) the old room alone.
+    alice, bot = harness.people[harness.admin], harness.bot
+    adapter, room = await served_public_room(harness)
+    new = await upgraded(harness, room, version)
+    async with asyncio.timeout(60):
+        while adapter.moved_to(room) != new:
+            await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(membership, alice, new, bot.user_id) == "join"
+    await harness.say(new, harness.admin, "in the replacement")
+    assert await texts_arrived(harness, 2) == ["before the upgrade", "in the replacement"]
+    assert harness.recorder.inbound[-1].chat == new
 
 
 async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarness) -> None:
@@ -1167,10 +1239,10 @@ async def test_an_upgraded_room_is_served_as_its_replacement(harness: MatrixHarn
         members = alice.request("GET", f"/_matrix/client/v3/rooms/{quote(new)}/joined_members")["joined"]
         return bot.user_id in members
 
-    async with asyncio.timeout(30):
-        while not await asyncio.to_thread(bot_joined):
+    async with asyncio.timeout(30):  # joined at the invite, then moved once the replacement showed itself the successor
+        while adapter.moved_to(room) != new:
             await asyncio.sleep(0.1)
-    assert adapter.moved_to(room) == new
+    assert await asyncio.to_thread(bot_joined)
     assert new in adapter.served
     assert room not in adapter.served
     # what people say in the replacement reaches Kazma as that room; what Kazma sends to the old id lands there
