@@ -1194,6 +1194,25 @@ async def test_a_tombstone_naming_a_room_that_is_no_upgrade_moves_nothing_and_th
     assert harness.recorder.inbound[-1].chat == room
 
 
+async def test_a_tombstone_naming_another_served_room_moves_nothing_and_the_bot_stays_there(
+    harness: MatrixHarness,
+) -> None:
+    # The room a forged tombstone names is left again, unless the bot serves it anyway: a tombstone naming the home
+    # room would otherwise have the bot leave its own home room.
+    alice, bot = harness.people[harness.admin], harness.bot
+    adapter, room = await served_public_room(harness)
+    before = failure_count("matrix_upgrade_forged", "matrix")
+    path = f"/_matrix/client/v3/rooms/{quote(room)}/state/m.room.tombstone"
+    await asyncio.to_thread(alice.request, "PUT", path, {"body": "moved", "replacement_room": harness.home})
+    async with asyncio.timeout(60):
+        while failure_count("matrix_upgrade_forged", "matrix") == before:
+            await asyncio.sleep(0.1)
+    await harness.say(harness.home, harness.admin, "still in the home room")
+    assert await texts_arrived(harness, 2) == ["before the upgrade", "still in the home room"]
+    assert adapter.moved_to(room) == room
+    assert await asyncio.to_thread(membership, alice, harness.home, bot.user_id) == "join"
+
+
 @pytest.mark.parametrize("version", ["10", "12"])
 async def test_a_real_upgrade_of_a_public_room_moves_the_chat_at_the_tombstone(
     harness: MatrixHarness, version: str
