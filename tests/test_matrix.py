@@ -398,6 +398,41 @@ async def test_the_bots_own_cards_are_remembered_bounded_and_a_forgotten_card_st
     assert len(adapter._choices) == 2  # the bound itself, which no behaviour shows before it is hit
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["remembered", "read back after a restart"])
+async def test_a_press_on_a_redacted_card_never_counts_and_its_requests_other_card_still_does(
+    harness: MatrixHarness, restarted: bool
+) -> None:
+    # A moderator redacts a card (its content, choices and all, is gone). A press on it counted while the card was
+    # remembered with its choices, and was passed by unsaid once a restart read it back: neither counts now, and
+    # the log says why. The request's card in another room still stands.
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/redacted"})
+    ref = await adapter.post_card(card)
+    other = await adapter.post_card_in(card, harness.other)
+    approve = card.button_data(Decision.APPROVE)
+    [key] = [c["key"] for c in (await asyncio.to_thread(harness.people[harness.admin].event, ref.chat,
+                                                        ref.message_id))["content"]["org.kazma.choices"]
+             if c["data"] == approve]  # fmt: skip
+    if restarted:
+        await adapter.quiesce()
+        await adapter.stop()
+    alice = harness.people[harness.admin]
+    path = f"/_matrix/client/v3/rooms/{quote(ref.chat)}/redact/{quote(ref.message_id)}/kazma-test-{restarted}"
+    await asyncio.to_thread(alice.request, "PUT", path, {"reason": "posted by mistake"})
+    await asyncio.to_thread(alice.react, ref.chat, ref.message_id, key)
+    with structlog.testing.capture_logs() as logged:
+        if restarted:
+            await harness.start()
+        await harness.say(harness.home, harness.admin, "after the press")
+        assert await texts_arrived(harness, 1) == ["after the press"]  # the press came before it, and was read
+    assert harness.recorder.presses == []
+    [said] = [e for e in logged if e["event"] == "matrix.press_on_redacted_card"]
+    assert (said["room"], said["card"], said["actor"]) == (ref.chat, ref.message_id, f"matrix:{alice.user_id}")
+    await harness.press(other, approve, harness.admin)
+    [press] = await harness.recorder.wait_until(lambda: harness.recorder.presses)
+    assert (press.chat, press.message_id, press.data) == (harness.other, other.message_id, approve)
+
+
 async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})

@@ -79,7 +79,8 @@ log = structlog.get_logger("kazma.adapters.matrix")
 
 # What one sync asks for: messages, reactions and the signs of encryption; no presence, receipts or typing.
 _TIMELINE_TYPES: Final = [
-    "m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member", "m.room.tombstone"
+    "m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member", "m.room.tombstone",
+    "m.room.redaction",
 ]  # fmt: skip
 SYNC_FILTER: Final = json.dumps(
     {
@@ -228,6 +229,8 @@ class MatrixAdapter(PlatformBase):
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         # the bot's own events with choices: key -> data (least recently used first, see CHOICES_KEPT)
         self._choices: OrderedDict[_Where, dict[str, str]] = OrderedDict()
+        # the bot's own events seen redacted (a redaction in the sync, or one read back so): no press on them counts
+        self._redacted: OrderedDict[_Where, None] = OrderedDict()
         self._prompts: dict[_Where, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
         self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
         self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
@@ -556,6 +559,9 @@ class MatrixAdapter(PlatformBase):
         if etype == "m.room.tombstone" and event.get("state_key") == "":
             await self._upgraded(room, event)
             return False
+        if etype == "m.room.redaction":
+            self._redaction(room, event)
+            return False
         if event.get("sender") == self.user_id:
             return False  # our own posts: kept when sent
         reaction = reaction_of(event)
@@ -684,6 +690,25 @@ class MatrixAdapter(PlatformBase):
 
     # ----------------------------------------------------------------- presses
 
+    def _redaction(self, room: str, event: dict[str, Any]) -> None:
+        """A redaction of one of the bot's cards (or questions) remembered with its choices: from now on a press on
+        it counts as little as one read back after a restart does (its content, choices and all, is gone)."""
+        content = event.get("content")
+        target = event.get("redacts") or (content.get("redacts") if isinstance(content, dict) else None)
+        where = (room, str(target))
+        if not isinstance(target, str) or not self._choices.get(where):
+            return  # nothing of the bot's known here: a read of it later shows it redacted (see _own_event)
+        del self._choices[where]
+        self._remember_redacted(where)
+        log.info("matrix.card_redacted", room=room, card=target, by=str(event.get("sender", "")),
+                 detail="presses on it no longer count; its request's other cards still stand")  # fmt: skip
+
+    def _remember_redacted(self, where: _Where) -> None:
+        self._redacted[where] = None
+        self._redacted.move_to_end(where)
+        while len(self._redacted) > CHOICES_KEPT:
+            self._redacted.popitem(last=False)
+
     async def _choices_of(self, room: str, event_id: str) -> dict[str, str]:
         """Which key means which data on ``event_id``: only an event the bot itself sent has any.
 
@@ -691,12 +716,14 @@ class MatrixAdapter(PlatformBase):
         pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
         again rather than dropped (the homeserver would not take the same reaction from that person twice), up to
         :attr:`card_read_tries` times for one card; then the reaction is passed by, counted."""
+        if (room, event_id) in self._redacted:
+            return {}
         known = self._choices.get((room, event_id))
         if known is not None:
             self._choices.move_to_end((room, event_id))  # pressed: a card in use is the last forgotten
             return known
         content = await self._own_event(room, event_id, "press")
-        if content is None:
+        if content is None or (room, event_id) in self._redacted:
             return {}
         listed = content.get(CHOICES_KEY)
         found = {
@@ -743,6 +770,8 @@ class MatrixAdapter(PlatformBase):
                 del self._others[next(iter(self._others))]
             self._others[event_id] = None
             return None
+        if (event.get("unsigned") or {}).get("redacted_because"):
+            self._remember_redacted((room, event_id))  # its content is gone: what it offered no longer stands
         content = event.get("content")
         return content if isinstance(content, dict) else {}
 
@@ -767,6 +796,12 @@ class MatrixAdapter(PlatformBase):
 
     async def _reaction(self, room: str, reaction: Reaction) -> bool:
         data = (await self._choices_of(room, reaction.target)).get(same_key(reaction.key))
+        if (room, reaction.target) in self._redacted:
+            # Alike whether the card was remembered when it was redacted or read back after a restart: before,
+            # a press counted while the card was remembered and was passed by unsaid once it was read back.
+            log.info("matrix.press_on_redacted_card", room=room, card=reaction.target, key=reaction.key,
+                     actor=self.actor(reaction.sender), detail="not counted: the card was redacted")  # fmt: skip
+            return False
         if data is None:
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
