@@ -673,7 +673,16 @@ class MatrixAdapter(PlatformBase):
             except MNotFound:
                 return None
 
-        found = await self.call("upgrade_check", None, tombstone, paced=False)  # a failure: the batch comes again
+        try:
+            found = await self.call("upgrade_check", None, tombstone, paced=False)
+        except PlatformError as exc:
+            # A 5xx, no answer: the batch comes again with the invite, a bounded number of times. Refused (the bot
+            # no longer in the old room), or given up: no upgrade shown, so an invite like any other.
+            if exc.retryable and self._join_failures.again(f"tombstone {room}", self.upgrade_join_tries) is None:
+                raise
+            log.warning("matrix.upgrade_unreadable", room=old, replacement=room, error=str(exc))
+            return False
+        self._join_failures.forget(f"tombstone {room}")
         if found is None or (found.get("content") or {}).get("replacement_room") != room:
             return False
         await self._follow_upgrade(old, room, str(found.get("event_id", "")), str(found.get("sender", "")))
