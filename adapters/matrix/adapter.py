@@ -79,7 +79,8 @@ log = structlog.get_logger("kazma.adapters.matrix")
 
 # What one sync asks for: messages, reactions and the signs of encryption; no presence, receipts or typing.
 _TIMELINE_TYPES: Final = [
-    "m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member", "m.room.tombstone"
+    "m.room.message", "m.reaction", "m.room.encrypted", "m.room.encryption", "m.room.member", "m.room.tombstone",
+    "m.room.redaction",
 ]  # fmt: skip
 SYNC_FILTER: Final = json.dumps(
     {
@@ -228,6 +229,8 @@ class MatrixAdapter(PlatformBase):
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         # the bot's own events with choices: key -> data (least recently used first, see CHOICES_KEPT)
         self._choices: OrderedDict[_Where, dict[str, str]] = OrderedDict()
+        # the bot's own events seen redacted (a redaction in the sync, or one read back so): no press on them counts
+        self._redacted: OrderedDict[_Where, None] = OrderedDict()
         self._prompts: dict[_Where, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
         self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
         self.reason_clock: Callable[[], float] = time.time  # a prompt's end is wall-clock time: any process reads it
@@ -460,6 +463,8 @@ class MatrixAdapter(PlatformBase):
             inviter = str(mine.get("sender", ""))
             direct = bool((mine.get("content") or {}).get("is_direct"))
             listed = room in self.served.chats or room == self.served.home
+            if not listed and await self._upgrade_invited(str(room), states):
+                continue
             if not (listed or (direct and self.direct.allows(self.actor(inviter)))):
                 log.info("matrix.invite_ignored", room=room, inviter=inviter, direct=direct)
                 continue
@@ -552,7 +557,10 @@ class MatrixAdapter(PlatformBase):
             await self._encrypted(room)
             return False
         if etype == "m.room.tombstone" and event.get("state_key") == "":
-            await self._upgraded(room, event.get("content"))
+            await self._upgraded(room, event)
+            return False
+        if etype == "m.room.redaction":
+            self._redaction(room, event)
             return False
         if event.get("sender") == self.user_id:
             return False  # our own posts: kept when sent
@@ -579,17 +587,23 @@ class MatrixAdapter(PlatformBase):
         await _ended(self.spawn(self.deliver(inbound, key=key), name=f"matrix-inbound-{key}"))
         return True
 
-    async def _upgraded(self, room: str, content: object) -> None:
-        """A served room was upgraded (a new room replaces it; the old one takes no more messages): serve the new
-        one wherever the old one was (the kit's chat move, recorded and announced like Telegram's migration),
-        and join it. Joining fails while the bot is not invited to an invite-only room: it joins at the invite,
-        the new room being served by then."""
+    async def _upgraded(self, room: str, event: dict[str, Any]) -> None:
+        """A tombstone in a served room: the room may have been upgraded (a new room replaces it; the old one takes
+        no more messages). Anyone with the power to send one may name any room, so the chat moves only once the
+        replacement proves itself the old room's successor (see :meth:`_follow_upgrade`). Joining fails while the
+        bot is not invited to an invite-only replacement: it is followed then at the invite."""
+        content = event.get("content")
         replacement = content.get("replacement_room") if isinstance(content, dict) else None
-        if not isinstance(replacement, str) or not replacement.startswith("!"):
-            return
-        if room not in self.served and self.moved_to(room) != replacement:  # (moved already: the join failed)
-            return
-        await self.chat_moved(room, replacement)
+        if not isinstance(replacement, str) or not replacement.startswith("!") or room not in self.served:
+            return  # not ours, or moved already (which the replacement proved, joined)
+        await self._follow_upgrade(room, replacement, str(event.get("event_id", "")), str(event.get("sender", "")))
+
+    async def _follow_upgrade(self, room: str, replacement: str, tombstone: str, sender: str) -> None:
+        """Join ``replacement``, then move the chat there only when its ``m.room.create`` names ``room`` as its
+        predecessor, by the tombstone's own id where the room version lets it (Synapse's upgrade writes it). A
+        room anyone made and named in a tombstone of their own is left again, the chat staying where it was:
+        moved there, the bot posted every later card (a dangerous call and its arguments) in it, and its
+        owner's presses decided them. Joined first because a room's create event is read by its members only."""
         client = self._api("join")
         try:
             await self.call("join", None, self._joiner(client, replacement))
@@ -599,15 +613,80 @@ class MatrixAdapter(PlatformBase):
                 if failed is None:
                     raise
                 # Up to upgrade_join_tries: a join that never works would hold every later event behind the
-                # tombstone for ever. The room stays served as its replacement; the bot joins it at an invite.
+                # tombstone for ever. The chat stays where it is; the bot follows the upgrade at an invite.
                 count_failure("matrix_upgrade_join_failed", PLATFORM)
                 log.error("matrix.upgrade_join_failed", room=room, replacement=replacement, tries=failed,
-                          error=str(exc))  # fmt: skip
+                          error=str(exc), detail="invite the bot to the new room to move the chat there")  # fmt: skip
                 return
             log.info("matrix.upgrade_join_waits_for_invite", room=room, replacement=replacement, error=str(exc))
             return
         self._join_failures.forget(replacement)
-        log.info("matrix.joined", room=replacement, upgraded_from=room)
+        try:
+            create = await self.call("upgrade_check", None, self._create_event(client, replacement), paced=False)
+        except PlatformError as exc:
+            if exc.retryable:  # joined already: the batch comes again, the join is a no-op and the read tried again
+                failed = self._join_failures.again(f"create {replacement}", self.upgrade_join_tries)
+                if failed is None:
+                    raise
+            create = {}  # unreadable for good: not shown to be the successor
+        self._join_failures.forget(f"create {replacement}")
+        why = _not_successor(create, room, replacement, tombstone)
+        if why is None:
+            await self.chat_moved(room, replacement)
+            log.info("matrix.joined", room=replacement, upgraded_from=room)
+            return
+        count_failure("matrix_upgrade_forged", PLATFORM)
+        log.warning("matrix.upgrade_forged", room=room, replacement=replacement, sender=sender, why=why,
+                    detail="the chat stays where it was")  # fmt: skip
+        if replacement in self.served.chats or replacement == self.served.home or replacement in self._direct:
+            return  # a room the bot serves anyway, named as the replacement: it stays, unmoved
+        try:
+            await self.call("leave", None, lambda: client.leave_room(RoomID(replacement)), paced=False)
+        except PlatformError as exc:
+            log.error("matrix.upgrade_forged_leave_failed", room=replacement, error=str(exc))
+            return
+        log.info("matrix.left", room=replacement, why="named by a tombstone it does not follow")
+
+    @staticmethod
+    def _create_event(client: ClientAPI, room: str) -> Callable[[], Awaitable[dict[str, Any]]]:
+        async def read() -> dict[str, Any]:
+            path = Path.v3.rooms[RoomID(room)].state["m.room.create"]
+            return dict(await client.api.request(Method.GET, path, query_params={"format": "event"}))
+
+        return read
+
+    async def _upgrade_invited(self, room: str, states: list[Any]) -> bool:
+        """An invite to the replacement of a served room (its invite state's create event names one as its
+        predecessor, and that room's tombstone names this one): followed as the upgrade it may be, which checks
+        the real create event once joined. True when it was one to follow."""
+        creates = [e for e in states if isinstance(e, dict) and e.get("type") == "m.room.create"]
+        predecessor = ((creates[-1].get("content") or {}).get("predecessor") or {}) if creates else {}
+        old = predecessor.get("room_id") if isinstance(predecessor, dict) else None
+        if not isinstance(old, str) or old not in self.served:
+            return False
+        client = self._api("join")
+        path = Path.v3.rooms[RoomID(old)].state["m.room.tombstone"]
+
+        async def tombstone() -> dict[str, Any] | None:
+            try:
+                return dict(await client.api.request(Method.GET, path, query_params={"format": "event"}))
+            except MNotFound:
+                return None
+
+        try:
+            found = await self.call("upgrade_check", None, tombstone, paced=False)
+        except PlatformError as exc:
+            # A 5xx, no answer: the batch comes again with the invite, a bounded number of times. Refused (the bot
+            # no longer in the old room), or given up: no upgrade shown, so an invite like any other.
+            if exc.retryable and self._join_failures.again(f"tombstone {room}", self.upgrade_join_tries) is None:
+                raise
+            log.warning("matrix.upgrade_unreadable", room=old, replacement=room, error=str(exc))
+            return False
+        self._join_failures.forget(f"tombstone {room}")
+        if found is None or (found.get("content") or {}).get("replacement_room") != room:
+            return False
+        await self._follow_upgrade(old, room, str(found.get("event_id", "")), str(found.get("sender", "")))
+        return True
 
     async def _encrypted(self, room: str) -> None:
         if room in self._told_encrypted or room not in self.served:
@@ -620,6 +699,25 @@ class MatrixAdapter(PlatformBase):
 
     # ----------------------------------------------------------------- presses
 
+    def _redaction(self, room: str, event: dict[str, Any]) -> None:
+        """A redaction of one of the bot's cards (or questions) remembered with its choices: from now on a press on
+        it counts as little as one read back after a restart does (its content, choices and all, is gone)."""
+        content = event.get("content")
+        target = event.get("redacts") or (content.get("redacts") if isinstance(content, dict) else None)
+        where = (room, str(target))
+        if not isinstance(target, str) or not self._choices.get(where):
+            return  # nothing of the bot's known here: a read of it later shows it redacted (see _own_event)
+        del self._choices[where]
+        self._remember_redacted(where)
+        log.info("matrix.card_redacted", room=room, card=target, by=str(event.get("sender", "")),
+                 detail="presses on it no longer count; its request's other cards still stand")  # fmt: skip
+
+    def _remember_redacted(self, where: _Where) -> None:
+        self._redacted[where] = None
+        self._redacted.move_to_end(where)
+        while len(self._redacted) > CHOICES_KEPT:
+            self._redacted.popitem(last=False)
+
     async def _choices_of(self, room: str, event_id: str) -> dict[str, str]:
         """Which key means which data on ``event_id``: only an event the bot itself sent has any.
 
@@ -627,12 +725,14 @@ class MatrixAdapter(PlatformBase):
         pass (a 5xx, no answer) raises: the batch is taken again from the kept position, so the reaction is read
         again rather than dropped (the homeserver would not take the same reaction from that person twice), up to
         :attr:`card_read_tries` times for one card; then the reaction is passed by, counted."""
+        if (room, event_id) in self._redacted:
+            return {}
         known = self._choices.get((room, event_id))
         if known is not None:
             self._choices.move_to_end((room, event_id))  # pressed: a card in use is the last forgotten
             return known
         content = await self._own_event(room, event_id, "press")
-        if content is None:
+        if content is None or (room, event_id) in self._redacted:
             return {}
         listed = content.get(CHOICES_KEY)
         found = {
@@ -679,6 +779,8 @@ class MatrixAdapter(PlatformBase):
                 del self._others[next(iter(self._others))]
             self._others[event_id] = None
             return None
+        if (event.get("unsigned") or {}).get("redacted_because"):
+            self._remember_redacted((room, event_id))  # its content is gone: what it offered no longer stands
         content = event.get("content")
         return content if isinstance(content, dict) else {}
 
@@ -703,6 +805,12 @@ class MatrixAdapter(PlatformBase):
 
     async def _reaction(self, room: str, reaction: Reaction) -> bool:
         data = (await self._choices_of(room, reaction.target)).get(same_key(reaction.key))
+        if (room, reaction.target) in self._redacted:
+            # Alike whether the card was remembered when it was redacted or read back after a restart: before,
+            # a press counted while the card was remembered and was passed by unsaid once it was read back.
+            log.info("matrix.press_on_redacted_card", room=room, card=reaction.target, key=reaction.key,
+                     actor=self.actor(reaction.sender), detail="not counted: the card was redacted")  # fmt: skip
+            return False
         if data is None:
             return False  # a reaction to anything else, or with another key: people react freely
         asked = reason_request(data)
@@ -1022,6 +1130,23 @@ def _said_at(event: dict[str, Any], now: float) -> float:
     if isinstance(sent, int) and not isinstance(sent, bool) and sent > 0:
         return min(sent / 1000.0, now)
     return now
+
+
+def _not_successor(create: dict[str, Any], old: str, room: str, tombstone: str) -> str | None:
+    """Why ``create`` (``room``'s create event) does not make ``room`` the successor of ``old`` by the tombstone
+    ``tombstone``; None when it does. Synapse's upgrade names the old room and the tombstone's id; a room whose id is
+    its create event's hash (room version 12 on) is made before the tombstone, so it names the old room alone.
+    Anyone may name an old room in a room of their own; the tombstone's id is known only once the tombstone is sent,
+    after the room it names was made."""
+    content = create.get("content")
+    predecessor = content.get("predecessor") if isinstance(content, dict) else None
+    if not isinstance(predecessor, dict) or predecessor.get("room_id") != old:
+        return "the new room does not name this one as its predecessor"
+    named = predecessor.get("event_id")
+    if named is None:
+        made_first = str(create.get("event_id", "")).removeprefix("$") == room.removeprefix("!")
+        return None if made_first else "the new room does not name the tombstone"
+    return None if named == tombstone else "the new room names another event than the tombstone"
 
 
 def _short(text: str) -> str:
