@@ -222,6 +222,8 @@ class Seals:
         self.problems: list[Problem] = []
         self.more = 0
         self.unknown = 0  # sealed with a key not held here (or no decision key here): not checked
+        # Sealed with a key the keyring records as retired (`kazma keys retire`): history, not checked; by key id.
+        self.retired: dict[str, int] = {}
         self.first_unknown: Problem | None = None
         self.calls: list[Problem] = []  # calls changed since they were opened
 
@@ -259,6 +261,8 @@ class Seals:
         problem = seal_problem(self.keyring, row)
         if problem is None:
             self.verified += 1
+        elif problem.retired and row.decision_key_id is not None:
+            self.retired[row.decision_key_id] = self.retired.get(row.decision_key_id, 0) + 1
         elif problem.site == KEY_UNKNOWN:
             self.unknown += 1
             if self.first_unknown is None:
@@ -299,6 +303,16 @@ class Seals:
         began = self.sealed_since
         return began is None or (row.decided_at is not None and row.decided_at.timestamp() < began)
 
+    def summary(self) -> str:
+        """One line for people once all holds: what was verified, and what was not checked and why."""
+        before = f" ({self.historic} decided before seals)" if self.historic else ""
+        retired = "".join(
+            f"; {count} sealed by retired key {key_id}, not checked (the log still records each one's outcome, "
+            "decider and call)"
+            for key_id, count in sorted(self.retired.items())
+        )
+        return f"decision seals: {self.verified} verified{before}{retired}"
+
     def said(self) -> list[Problem]:
         found = [*self.calls, *self.problems]
         if self.more:
@@ -313,7 +327,9 @@ class Seals:
                     SEAL,
                     f"{self.unknown} finished request{'s' if self.unknown != 1 else ''} carry a decision seal that "
                     f"cannot be checked here, the first {first.detail.removeprefix('request ')} (verify where "
-                    "Kazma's decision key is: $KAZMA_DECISION_KEY, or the key file beside the store)",
+                    "Kazma's decision keys are: $KAZMA_DECISION_KEY, or the key file beside the store; a key "
+                    "retired on purpose is recorded by `kazma keys retire`, or by a `# retired ID` line in "
+                    "$KAZMA_DECISION_KEY, and what it sealed is then history)",
                 )
             )
         return found

@@ -19,7 +19,8 @@ from kazma.approvals.chain import event_hash
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.hashing import args_hash, canonical_json
 from kazma.bot.cli import main
-from tests.approvals_support import TEST_SIGNER, approval_service
+from kazma.config.keyring import DECISION_KEYS, keys_folder
+from tests.approvals_support import TEST_KEY, TEST_SIGNER, approval_service
 from tests.audit_support import ARGS, KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 
@@ -30,12 +31,14 @@ def verify(tmp_path: Path, engine: Engine, *args: str, env: dict[str, str | None
     return CliRunner().invoke(main, ["-c", str(config), "audit", "verify", *args], env=KEY_ENV if env is None else env)
 
 
-def doctor_seals(tmp_path: Path, engine: Engine) -> str:
+def doctor_seals(tmp_path: Path, engine: Engine, env: dict[str, str | None] | None = None) -> str:
     """The line `kazma doctor` prints for the decision seals."""
     config = tmp_path / "kazma.yaml"
     config.write_text(config_text(tmp_path, engine))
     result = CliRunner().invoke(
-        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+        main,
+        ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"],
+        env=KEY_ENV if env is None else env,
     )
     [line] = [text for text in result.stdout.splitlines() if "decision seals" in text]
     return line
@@ -203,3 +206,56 @@ def test_a_pending_requests_call_changed_before_anyone_decides_is_named_at_its_o
         f"FAILED: first bad sequence seq {seq}: changed: request {rid}'s stored call hashes to "
         f"{args_hash(forged)[:12]}…, but the audit log records it opened for {args_hash(ARGS)[:12]}…" in result.stdout
     ), result.stdout
+
+
+# --------------------------------------------------------------------------- decision keys rotated and retired
+
+
+def test_decisions_sealed_by_a_key_retired_with_kazma_keys_retire_verify_as_history_not_as_a_failure(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """`kazma keys rotate` then `keys retire k1` (the README's own steps): the decisions k1 sealed are legitimate
+    history, and verify failed on every store that ever retired a key ("cannot be checked here ... verify where
+    Kazma's decision key is", when no such place is left). The key file records what was retired: verify names
+    those seals as not checked, sealed by a retired key, and holds; a key nobody retired still fails."""
+    if store_engine.postgres:
+        pytest.skip("the key file lives beside a SQLite store; PostgreSQL replicas share $KAZMA_DECISION_KEY")
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    folder = keys_folder(Path(store_engine.where))
+    folder.mkdir(mode=0o700, exist_ok=True)
+    key_file = DECISION_KEYS.file(folder)
+    key_file.write_text(f"{TEST_KEY[0]}:{TEST_KEY[1]}\n")
+    key_file.chmod(0o600)
+    file_env = {**KEY_ENV, "KAZMA_DECISION_KEY": None}
+    assert verify(tmp_path, store_engine, env=file_env).exit_code == 0
+    runner = CliRunner()
+    for step in (["rotate"], ["retire", TEST_KEY[0]]):
+        done = runner.invoke(main, ["-c", str(config), "keys", *step], env=file_env)
+        assert done.exit_code == 0, done.output
+    result = verify(tmp_path, store_engine, env=file_env)
+    assert result.exit_code == 0, result.stdout
+    assert "decision seals: 0 verified; 3 sealed by retired key k1, not checked" in result.stdout, result.stdout
+    said = doctor_seals(tmp_path, store_engine, env=file_env)
+    assert said.startswith("OK"), said
+    assert "0 decisions verified; 3 sealed by retired key k1 (history, not checked" in said, said
+    # A key the file does not record as retired is not history: a replica given other keys, or a forgery.
+    key_file.write_text(f"k9:{'9' * 48}\n")
+    result = verify(tmp_path, store_engine, env=file_env)
+    assert result.exit_code == 1, result.stdout
+    assert "3 finished requests carry a decision seal that cannot be checked here" in result.stdout, result.stdout
+
+
+def test_a_key_retired_from_kazma_decision_key_is_recorded_in_the_variable_and_verify_holds(
+    store_engine: Engine, tmp_path: Path, log: Log
+) -> None:
+    """Replicas share $KAZMA_DECISION_KEY and retire a key by taking it out of the variable; a `# retired ID` line
+    in it says so, as `kazma keys retire` writes it in the file: verify then holds on what that key sealed."""
+    new = f"k2:{'2' * 48}"
+    result = verify(tmp_path, store_engine, env={**KEY_ENV, "KAZMA_DECISION_KEY": f"{new}\n# retired k1\n"})
+    assert result.exit_code == 0, result.stdout
+    assert "3 sealed by retired key k1, not checked" in result.stdout, result.stdout
+    # Taken out without a word: verify cannot tell a retirement from a forgery, and says so.
+    result = verify(tmp_path, store_engine, env={**KEY_ENV, "KAZMA_DECISION_KEY": new})
+    assert result.exit_code == 1, result.stdout
+    assert "not in the decision keyring here" in result.stdout, result.stdout

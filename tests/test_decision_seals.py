@@ -303,11 +303,16 @@ async def test_rotating_keeps_decided_requests_valid_new_decisions_use_the_new_k
 
     retire_key(DECISION_KEYS, folder, "k1", environ={})
     async with approval_service(store_engine.where, keyring=open_keyring(DECISION_KEYS, folder, environ={})) as service:
-        await refused(service, before.id, "made with key 'k1', which is not in the decision keyring", site=KEY_UNKNOWN)
+        await refused(service, before.id, "made with key 'k1', retired here", site=KEY_UNKNOWN)
         refusal = (await service.store.events(before.id, event="execution_refused"))[-1]
         assert refusal.detail is not None
-        assert "was it retired" in refusal.detail
+        assert "an approval it sealed does not run" in refusal.detail
         await service.verify_execution(after.id, "shell", ARGS)  # k2's approvals are unaffected
+    # The file records k1 as retired (what it sealed is history to `audit verify`), through a later rotation,
+    # which never hands its id to a new key: k1's old seals would then read as forged, not as retired.
+    again = rotate_key_file(DECISION_KEYS, folder, environ={})
+    assert again.ids == ("k3", "k2")
+    assert again.retired == ("k1",)
 
 
 async def test_a_running_kazma_verifies_a_key_rotated_in_while_it_ran(tmp_path: Path) -> None:

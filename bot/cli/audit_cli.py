@@ -209,8 +209,7 @@ def verify_command(
         report = asyncio.run(_verify_store(config, keys, given))
     _print(report)
     if report.seals is not None and report.ok:
-        before = f" ({report.seals.historic} decided before seals)" if report.seals.historic else ""
-        click.echo(f"decision seals: {report.seals.verified} verified{before}")
+        click.echo(report.seals.summary())
     if not report.ok:
         sys.exit(EXIT_FAILED)
 

@@ -101,6 +101,7 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
     historic = 0
     forged: list[tuple[ApprovalRequest, str]] = []
     unknown: list[tuple[ApprovalRequest, str]] = []
+    retired: dict[str, int] = {}  # by key id: sealed with a key retired on purpose (history, not checked)
     for row in rows:
         decided = row.decided_at.timestamp() if row.decided_at is not None else None
         if row.decision_mac is None and (since is None or (decided is not None and decided < since)):
@@ -112,6 +113,9 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
             continue
         problem = seal_problem(keyring, row)
         if problem is None:
+            continue
+        if problem.retired and row.decision_key_id is not None:
+            retired[row.decision_key_id] = retired.get(row.decision_key_id, 0) + 1
             continue
         (unknown if problem.site == KEY_UNKNOWN else forged).append((row, problem.detail))
     sealed = sum(1 for row in rows if row.decision_mac is not None)
@@ -145,5 +149,9 @@ async def check_decision_seals(loaded: LoadedConfig) -> tuple[Check, int]:
             Level.FAIL,
             f"{len(unknown)} decisions sealed with keys not held here (approved ones will not run): {_named(unknown)}",
         ), sealed
-    verified = len(rows) - historic
-    return Check(SEAL_CHECK, Level.OK, f"{verified} decisions verified{before}"), sealed
+    verified = len(rows) - historic - sum(retired.values())
+    old = "".join(
+        f"; {count} sealed by retired key {key_id} (history, not checked; approved ones will not run)"
+        for key_id, count in sorted(retired.items())
+    )
+    return Check(SEAL_CHECK, Level.OK, f"{verified} decisions verified{before}{old}"), sealed
