@@ -18,9 +18,14 @@ from kazma.approvals import Decision
 from kazma.approvals.chain import event_hash
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.hashing import args_hash, canonical_json
+from kazma.approvals.rules import RuleStore
+from kazma.approvals.service import CardLocation
 from kazma.bot.cli import main
+from kazma.bot.cli.store_copy import copy_store
+from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, keys_folder
-from tests.approvals_support import TEST_KEY, TEST_SIGNER, approval_service
+from kazma.config.store.postgres import PgStore
+from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_SIGNER, approval_service
 from tests.audit_support import ARGS, KEY_ENV, Attacker, Log, config_text, make_log, run_async
 from tests.store_backends import Engine
 
@@ -259,3 +264,66 @@ def test_a_key_retired_from_kazma_decision_key_is_recorded_in_the_variable_and_v
     result = verify(tmp_path, store_engine, env={**KEY_ENV, "KAZMA_DECISION_KEY": new})
     assert result.exit_code == 1, result.stdout
     assert "not in the decision keyring here" in result.stdout, result.stdout
+
+
+def test_a_store_copied_from_sqlite_to_postgresql_verifies_there_seals_and_calls_alike(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """`kazma store copy`: the seals bind times to the microsecond and the calls' hashes are computed again from
+    the stored text; PostgreSQL's own types must not make the copied history read as rewritten."""
+    sqlite = Engine("sqlite", str(tmp_path / "k.db"))
+    run_async(make_log(sqlite.where))
+    assert verify(tmp_path, sqlite).exit_code == 0
+    assert run_async(copy_store(Path(sqlite.where), pg_dsn)).ok
+    result = verify(tmp_path, Engine("postgresql", pg_dsn))
+    assert result.exit_code == 0, result.stdout
+    assert "decision seals: 3 verified" in result.stdout, result.stdout
+
+
+# --------------------------------------------------------------------------- remembered approvals (rules)
+
+
+async def _remembered(where: str) -> tuple[str, str]:
+    """A real "Approve for 1 h" (the rule and its rule_created, sealed), then a second one revoked through Kazma:
+    (the first rule's id, the revoked one's)."""
+    config = load_config_text(APPROVERS_YAML.replace("approvals:\n", "approvals:\n  remember: {enabled: true}\n", 1))
+    async with approval_service(where, config=config.config) as service:
+        tables = service.store.tables
+        service.rules = RuleStore(tables if isinstance(tables, PgStore) else tables.conn)  # type: ignore[attr-defined]
+        made: list[str] = []
+        for command in ("deploy --prod", "restart web"):
+            request = await service.open("shell", {"command": command}, "agent:builder", "telegram:-100")
+            press = await service.decide(
+                request.id, Decision.APPROVE, actor="telegram:111", platform="telegram", remember=True,
+                card=CardLocation(None, None),
+            )  # fmt: skip
+            assert press.won, press.message
+            [rule] = [r for r in await service.rules.list() if r.request_id == request.id]
+            made.append(rule.id)
+        assert await service.revoke_rule(made[1], actor="telegram:111", platform="telegram") is not None
+        await Checkpointer(service.store, TEST_SIGNER).sign()
+    return made[0], made[1]
+
+
+def test_a_remembered_approval_forged_or_set_back_in_force_is_named_by_verify(
+    store_engine: Engine, tmp_path: Path
+) -> None:
+    """A rule row is refused when a call consults it, but nothing reported it: the standing approval stretched to
+    another call (its seal kept), and a revoked one set back in force, read "ok" until someone's call hit them."""
+    stretched, revoked = run_async(_remembered(store_engine.where))
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    assert "decision seals: 2 verified; remembered approvals: 2 verified" in result.stdout, result.stdout
+    Attacker(store_engine).run(
+        ("UPDATE approval_rules SET args_hash = ?, expires_at = expires_at + 86400 WHERE id = ?",
+         (args_hash({"command": "rm -rf /"}), stretched)),
+        ("UPDATE approval_rules SET revoked_at = NULL, revoked_by = NULL WHERE id = ?", (revoked,)),
+    )  # fmt: skip
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 1, result.stdout
+    assert f"decision seal: remembered approval {stretched} (by telegram:111): its seal does not verify" in (
+        result.stdout
+    ), result.stdout
+    assert f"decision seal: remembered approval {revoked} (by telegram:111) says in force, but the audit log" in (
+        result.stdout
+    ), result.stdout

@@ -37,11 +37,14 @@ from kazma.approvals.audit_verify import Head, HeadError, Report, Seals, Verific
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
+from kazma.approvals.rules import RuleStore
 from kazma.approvals.store import UnreadableRequest
 from kazma.bot.cli.context import EXIT_CONFIG, Context
 from kazma.bot.keys import audit_key_problem, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
+from kazma.config.keyring import Keyring
 from kazma.config.models import KazmaConfig
+from kazma.config.store.backend import StoreConnection
 
 EXIT_FAILED = 1
 PAGE = 5000
@@ -257,6 +260,7 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
         seals = Seals(read_decision_keyring(config), verification.history, await store.sealed_since())
         await _judge_seals(store, seals, upto=newest)
+        await _judge_rules(conn, store, seals, seals.keyring, beyond=newest + 1)
         changed, more_changed = await store.calls_changed(limit=UNRECORDED)
         seals.changed_calls(changed, more=more_changed)
     return verification.report(unrecorded, unrecorded_more=more, pending=pending, seals=seals)
@@ -279,6 +283,30 @@ async def _judge_seals(store: ApprovalStore, seals: Seals, *, upto: int) -> None
             else:
                 seals.judge(seq, request_id, row)
         after = endings[-1][0]
+
+
+async def _judge_rules(
+    conn: StoreConnection, store: ApprovalStore, seals: Seals, keyring: Keyring | None, *, beyond: int
+) -> None:
+    """Every remembered approval's row, a page at a time: its seal, and a revocation its row no longer says. A row
+    with no ``rule_created`` (written around Kazma) is named where the log walked ends (``beyond``)."""
+    rules = RuleStore(conn)
+    since = await rules.sealed_since()
+    after = ""
+    while True:
+        page = await rules.page(after, limit=PAGE)
+        if not page:
+            return
+        events = await RuleStore.recorded(store, page)
+        for rule in page:
+            created, revoked = events[rule.id]
+            problem = rule.seal_problem(keyring)
+            unsealed_before = rule.seal is None and since is not None and rule.created_at < since
+            seals.judge_rule(
+                beyond if created is None else created, rule.id, rule.created_by, problem,
+                unsealed_before=unsealed_before, revoked_seq=revoked, in_force=rule.revoked_at is None,
+            )  # fmt: skip
+        after = page[-1].id
 
 
 async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
