@@ -108,6 +108,23 @@ def test_verify_on_the_store_reads_the_checkpoints_in_pages_too(big_log: Path, s
     assert peak < BOUND, f"verify held {peak / 1e6:.1f} MB for {EVENTS} checkpoints"
 
 
+@pytest.mark.parametrize("big_log", [1], ids=["signed_every_event"], indirect=True)
+def test_export_reads_the_checkpoints_in_pages_beside_the_events(
+    big_log: Path, store_engine: Engine, tmp_path: Path
+) -> None:
+    """`audit export` read every checkpoint into a list first (and the ones it kept into another): with one for
+    every event, the 20,000 checkpoints alone took more than the bound, where verify on the store reads pages."""
+    out = tmp_path / "audit.jsonl"
+    result, peak = _peak(
+        lambda: CliRunner().invoke(main, ["-c", str(big_log), "audit", "export", "--out", str(out)], env=KEY_ENV)
+    )
+    assert result.exit_code == 0, result.output
+    assert f"exported {EVENTS} events and {EVENTS} checkpoints from seq 1" in result.output, result.output
+    assert peak < BOUND, f"export held {peak / 1e6:.1f} MB for {EVENTS} checkpoints"
+    # What it wrote is what it wrote before: each checkpoint right after the event it signs.
+    assert _verify(big_log, "--from-export", str(out)).exit_code == 0
+
+
 def test_an_event_removed_is_named_as_before_in_the_second_pass_without_holding_the_log(
     big_log: Path, store_engine: Engine
 ) -> None:

@@ -323,10 +323,10 @@ async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = Non
 class _Signed:
     """The store's checkpoints to ``upto``, in sequence order, read a page at a time as the walk reaches them."""
 
-    def __init__(self, store: ApprovalStore, *, upto: int) -> None:
+    def __init__(self, store: ApprovalStore, *, upto: int, after: int = 0) -> None:
         self.store = store
         self.upto = upto
-        self.after = 0
+        self.after = after
         self.page: deque[Checkpoint] = deque()
         self.done = False
 
@@ -351,16 +351,6 @@ class _Signed:
             if not self.page or self.page[0].seq > seq:
                 return
             yield self.page.popleft()
-
-
-async def _checkpoints(store: ApprovalStore, after: int = 0) -> list[Checkpoint]:
-    found: list[Checkpoint] = []
-    while True:
-        batch = await store.chain_checkpoints(after, limit=PAGE)
-        if not batch:
-            return found
-        found += batch
-        after = batch[-1].seq
 
 
 @audit.command("export")
@@ -388,20 +378,22 @@ async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, in
     signer = read_audit_signer(config)
     async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
-        checkpoints = await _checkpoints(store)
-        history = next((c for c in checkpoints if c.kind == HISTORY), None)
-        if history is not None and history.first_seq < since <= history.seq:
-            since = history.first_seq  # events before the chain can only be checked from their first one
-        kept = [c for c in checkpoints if c.seq >= since]
-        # Only what a checkpoint read here signs: an event appended since (Kazma runs) or left unsigned by a crash
-        # can be vouched for only with the audit key, which a verifier elsewhere does not hold, so it would fail
-        # there as "written outside Kazma". The next export (after the next checkpoint) holds it.
-        signed_to = max((c.seq for c in checkpoints), default=None)
+        # The last checkpoint first, the others read a page at a time beside the events (never held whole): only
+        # what a checkpoint read here signs is exported. An event appended since (Kazma runs) or left unsigned by a
+        # crash can be vouched for only with the audit key, which a verifier elsewhere does not hold, so it would
+        # fail there as "written outside Kazma". The next export (after the next checkpoint) holds it.
+        last = await store.last_checkpoint()
+        signed_to = None if last is None else last.seq
+        first = await _Signed(store, upto=signed_to or 0).first()
+        if first is not None and first.kind == HISTORY and first.first_seq < since <= first.seq:
+            since = first.first_seq  # events before the chain can only be checked from their first one
         out.write(line(header_record(since=since, key_ids=[] if signer is None else signer.keyring.ids)))
-        events = 0
-        async for record in export_records(_pages(store, since - 1, upto=signed_to), kept):
+        events = kept = 0
+        signed = _Signed(store, upto=signed_to or 0, after=since - 1)
+        async for record in export_records(_pages(store, since - 1, upto=signed_to), signed.through(signed_to or 0)):
             out.write(line(record))
             events += record["type"] == "event"
+            kept += record["type"] == "checkpoint"
         newest = await store.last_event_seq()
         if signed_to is not None and newest > signed_to:
             left = newest - signed_to
@@ -410,7 +402,7 @@ async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, in
                 " again after the next checkpoint, within a minute while Kazma runs)",
                 err=True,
             )
-        return events, len(kept), since
+        return events, kept, since
 
 
 @audit.command("public-key")
