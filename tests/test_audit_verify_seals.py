@@ -27,7 +27,8 @@ from kazma.config.keyring import DECISION_KEYS, keys_folder
 from kazma.config.store.postgres import PgStore
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_SIGNER, approval_service
 from tests.audit_support import ARGS, KEY_ENV, Attacker, Log, config_text, make_log, run_async
-from tests.store_backends import Engine
+from tests.store_backends import Engine, open_store, raw_rows
+from tests.test_audit_chain import _before_the_chain
 
 
 def verify(tmp_path: Path, engine: Engine, *args: str, env: dict[str, str | None] | None = None) -> Result:
@@ -327,3 +328,44 @@ def test_a_remembered_approval_forged_or_set_back_in_force_is_named_by_verify(
     assert f"decision seal: remembered approval {revoked} (by telegram:111) says in force, but the audit log" in (
         result.stdout
     ), result.stdout
+
+
+def test_a_store_upgraded_from_before_the_chain_verifies_with_its_unsealed_history_counted_apart(
+    store_engine: Engine, tmp_path: Path
+) -> None:
+    """A store from the release before the audit chain holding a decision made before seals (no seal, decided
+    before approvals v7 was applied): the first start chains its events once; verify and doctor must count that
+    decision as history, not call it forged, and check the seal of every decision made since."""
+
+    async def upgraded() -> str:
+        async with open_store(store_engine, migrations=_before_the_chain(store_engine)):
+            pass
+        [(began,)] = raw_rows(
+            store_engine, "SELECT applied_at FROM kazma_schema WHERE component = 'approvals' AND version = 7"
+        )
+        decided = float(began) - 3600
+        digest = args_hash(ARGS)
+        Attacker(store_engine).run(
+            ("INSERT INTO approval_requests (id, tool, args_json, args_hash, requested_by, conversation, created_at,"
+             " deadline, status, decided_by, decided_via, decided_at) VALUES ('old1', 'shell', ?, ?, 'agent:builder',"
+             " 'telegram:-100', ?, ?, 'approved', 'telegram:111', 'telegram', ?)",
+             (canonical_json(ARGS), digest, decided - 5, decided + 600, decided)),
+            ("INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+             " VALUES ('old1', 'opened', 'agent:builder', NULL, ?, ?, 'tool=shell')", (decided - 5, digest)),
+            ("INSERT INTO approval_events (request_id, event, actor, platform, at, args_hash, detail)"
+             " VALUES ('old1', 'decided', 'telegram:111', 'telegram', ?, ?, 'approved')", (decided, digest)),
+        )  # fmt: skip
+        async with approval_service(store_engine.where) as service:
+            await service.store.start_chain()  # what kazma run does first
+            request = await service.open("shell", ARGS, "agent:builder", "telegram:-100")
+            assert (await service.decide(request.id, Decision.DENY, actor="slack:U111", platform="slack")).won
+            await Checkpointer(service.store, TEST_SIGNER).sign()
+        return request.id
+
+    run_async(upgraded())
+    result = verify(tmp_path, store_engine)
+    assert result.exit_code == 0, result.stdout
+    assert "decision seals: 1 verified (1 decided before seals)" in result.stdout, result.stdout
+    said = doctor_seals(tmp_path, store_engine)
+    assert said.startswith("OK"), said
+    assert "1 decisions verified; 1 decided before seals" in said, said
