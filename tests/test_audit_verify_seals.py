@@ -10,6 +10,7 @@ its own (what the file's or the role's owner can do), never through Kazma.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -18,7 +19,7 @@ from kazma.approvals import Decision
 from kazma.approvals.chain import event_hash
 from kazma.approvals.checkpointer import Checkpointer
 from kazma.approvals.hashing import args_hash, canonical_json
-from kazma.approvals.rules import RuleStore
+from kazma.approvals.rules import Rule, RuleStore
 from kazma.approvals.service import CardLocation
 from kazma.bot.cli import main
 from kazma.bot.cli.store_copy import copy_store
@@ -369,3 +370,31 @@ def test_a_store_upgraded_from_before_the_chain_verifies_with_its_unsealed_histo
     said = doctor_seals(tmp_path, store_engine)
     assert said.startswith("OK"), said
     assert "1 decisions verified; 1 decided before seals" in said, said
+
+
+def test_a_rule_revoked_while_verify_reads_the_rules_is_no_forgery(
+    store_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kazma runs while verify reads: a rule revoked (row and rule_revoked in one transaction) just after verify
+    read its row as in force is for the next verify, not a rule "set back in force around Kazma"."""
+    standing, _ = run_async(_remembered(store_engine.where))
+    read_page = RuleStore.page
+    revoked: list[str] = []
+
+    async def page_then_revoke(self: RuleStore, *args: Any, **kwargs: Any) -> list[Rule]:
+        found = await read_page(self, *args, **kwargs)
+        if not revoked:
+            revoked.append(standing)
+            config = load_config_text(
+                APPROVERS_YAML.replace("approvals:\n", "approvals:\n  remember: {enabled: true}\n", 1)
+            )
+            async with approval_service(store_engine.where, config=config.config) as service:
+                tables = service.store.tables
+                service.rules = RuleStore(tables if isinstance(tables, PgStore) else tables.conn)  # type: ignore[attr-defined]
+                assert await service.revoke_rule(standing, actor="telegram:111", platform="telegram") is not None
+        return found
+
+    monkeypatch.setattr(RuleStore, "page", page_then_revoke)
+    result = verify(tmp_path, store_engine)
+    assert revoked == [standing]
+    assert result.exit_code == 0, result.stdout

@@ -288,8 +288,9 @@ async def _judge_seals(store: ApprovalStore, seals: Seals, *, upto: int) -> None
 async def _judge_rules(
     conn: StoreConnection, store: ApprovalStore, seals: Seals, keyring: Keyring | None, *, beyond: int
 ) -> None:
-    """Every remembered approval's row, a page at a time: its seal, and a revocation its row no longer says. A row
-    with no ``rule_created`` (written around Kazma) is named where the log walked ends (``beyond``)."""
+    """Every remembered approval's row, a page at a time: its seal, and a revocation within the log walked (to
+    ``beyond``, exclusive) its row no longer says. A row with no ``rule_created`` (written around Kazma) is named
+    where that log ends."""
     rules = RuleStore(conn)
     since = await rules.sealed_since()
     after = ""
@@ -300,6 +301,8 @@ async def _judge_rules(
         events = await RuleStore.recorded(store, page)
         for rule in page:
             created, revoked = events[rule.id]
+            if revoked is not None and revoked >= beyond:
+                revoked = None  # revoked after the log walked ends (Kazma runs): its row may have been read before
             problem = rule.seal_problem(keyring)
             unsealed_before = rule.seal is None and since is not None and rule.created_at < since
             seals.judge_rule(
