@@ -271,7 +271,9 @@ class Keyring:
     def describe(self) -> str:
         """One line for people: where the keys are and which ids, never a secret."""
         older = f"; older, verifying only: {', '.join(self.ids[1:])}" if len(self._keys) > 1 else ""
-        return f"{self.source}: current key {self.current.id}{older}"
+        gone = [i for i in self.retired if i not in self.ids]
+        retired = f"; retired (what they sealed is history, not checked): {', '.join(gone)}" if gone else ""
+        return f"{self.source}: current key {self.current.id}{older}{retired}"
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:
