@@ -389,19 +389,20 @@ def _checkpoint(record: dict[str, Any]) -> Checkpoint:
 
 
 async def export_records(
-    events: AsyncIterator[list[ChainedEvent]], checkpoints: list[Checkpoint]
+    events: AsyncIterator[list[ChainedEvent]], checkpoints: AsyncIterator[Checkpoint]
 ) -> AsyncIterator[dict[str, Any]]:
-    """Events (in batches, in sequence order) with each checkpoint right after the event it signs."""
-    pending = sorted(checkpoints, key=lambda c: c.seq)
-    index = 0
+    """Events (in batches, in sequence order) with each checkpoint (read as they come, in sequence order: never
+    held whole) right after the event it signs."""
+    ahead = await anext(checkpoints, None)
     async for batch in events:
         for event in batch:
-            while index < len(pending) and pending[index].seq < event.seq:
-                yield checkpoint_record(pending[index])
-                index += 1
+            while ahead is not None and ahead.seq < event.seq:
+                yield checkpoint_record(ahead)
+                ahead = await anext(checkpoints, None)
             yield event_record(event)
-            while index < len(pending) and pending[index].seq == event.seq:
-                yield checkpoint_record(pending[index])
-                index += 1
-    for checkpoint in pending[index:]:
-        yield checkpoint_record(checkpoint)
+            while ahead is not None and ahead.seq == event.seq:
+                yield checkpoint_record(ahead)
+                ahead = await anext(checkpoints, None)
+    while ahead is not None:
+        yield checkpoint_record(ahead)
+        ahead = await anext(checkpoints, None)

@@ -36,7 +36,7 @@ from kazma.approvals.card import CardIntegrityError, verify_integrity
 from kazma.approvals.chain import GENESIS, ChainedEvent
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeys
 from kazma.approvals.model import ApprovalRequest, Status
-from kazma.approvals.seal import KEY_UNKNOWN, seal_problem
+from kazma.approvals.seal import KEY_UNKNOWN, SealProblem, seal_problem
 from kazma.config.keyring import Keyring
 
 CHANGED = "changed"
@@ -222,8 +222,16 @@ class Seals:
         self.problems: list[Problem] = []
         self.more = 0
         self.unknown = 0  # sealed with a key not held here (or no decision key here): not checked
+        # Sealed with a key the keyring records as retired (`kazma keys retire`): history, not checked; by key id.
+        self.retired: dict[str, int] = {}
         self.first_unknown: Problem | None = None
         self.calls: list[Problem] = []  # calls changed since they were opened
+        # Remembered approvals ("Approve for 1 h"): each row's seal, and its revocation against the log's.
+        self.rules_verified = 0
+        self.rules_historic = 0  # made before rules were sealed: refused when consulted, as they always were
+        self.rules_retired = 0
+        self.rules_unknown = 0
+        self.first_rule_unknown: Problem | None = None
 
     def _bad(self, seq: int, detail: str) -> None:
         if len(self.problems) < SEALS_NAMED:
@@ -259,6 +267,8 @@ class Seals:
         problem = seal_problem(self.keyring, row)
         if problem is None:
             self.verified += 1
+        elif problem.retired and row.decision_key_id is not None:
+            self.retired[row.decision_key_id] = self.retired.get(row.decision_key_id, 0) + 1
         elif problem.site == KEY_UNKNOWN:
             self.unknown += 1
             if self.first_unknown is None:
@@ -284,6 +294,42 @@ class Seals:
                 Problem(changed[-1][1], CHANGED, f"more requests like these: only the first {len(changed)} are named")
             )
 
+    def judge_rule(
+        self,
+        seq: int,
+        rule_id: str,
+        made_by: str,
+        problem: SealProblem | None,
+        *,
+        unsealed_before: bool,
+        revoked_seq: int | None,
+        in_force: bool,
+    ) -> None:
+        """A remembered approval's row: ``problem`` is its seal's (None: it verifies); ``seq`` its ``rule_created``
+        (or where its log ends, when it has none); ``revoked_seq`` the log's ``rule_revoked`` for it.
+        ``unsealed_before``: it carries no seal and was made before this store sealed rules. ``in_force``: its row
+        says it was never revoked. A row that fails is refused when a call consults it, but only verify says so
+        before anyone's call does."""
+        who = f"remembered approval {rule_id} (by {made_by})"
+        if in_force and revoked_seq is not None:
+            self._bad(
+                revoked_seq,
+                f"{who} says in force, but the audit log records it revoked here: set back in force around Kazma "
+                "(a call it would stand for is refused)",
+            )
+        if problem is None:
+            self.rules_verified += 1
+        elif problem.retired:
+            self.rules_retired += 1
+        elif problem.site == KEY_UNKNOWN:
+            self.rules_unknown += 1
+            if self.first_rule_unknown is None:
+                self.first_rule_unknown = Problem(seq, SEAL, f"{who}: {problem.detail}")
+        elif unsealed_before:
+            self.rules_historic += 1
+        else:
+            self._bad(seq, f"{who}: {problem.detail}; written or changed around Kazma (it is refused when consulted)")
+
     def unreadable(self, seq: int, request_id: str, columns: Sequence[str]) -> None:
         self._bad(
             seq,
@@ -299,6 +345,21 @@ class Seals:
         began = self.sealed_since
         return began is None or (row.decided_at is not None and row.decided_at.timestamp() < began)
 
+    def summary(self) -> str:
+        """One line for people once all holds: what was verified, and what was not checked and why."""
+        before = f" ({self.historic} decided before seals)" if self.historic else ""
+        retired = "".join(
+            f"; {count} sealed by retired key {key_id}, not checked (the log still records each one's outcome, "
+            "decider and call)"
+            for key_id, count in sorted(self.retired.items())
+        )
+        rules = ""
+        if self.rules_verified or self.rules_historic or self.rules_retired:
+            rules = f"; remembered approvals: {self.rules_verified} verified"
+            rules += f" ({self.rules_historic} made before they were sealed)" if self.rules_historic else ""
+            rules += f", {self.rules_retired} sealed by a retired key, not checked" if self.rules_retired else ""
+        return f"decision seals: {self.verified} verified{before}{retired}{rules}"
+
     def said(self) -> list[Problem]:
         found = [*self.calls, *self.problems]
         if self.more:
@@ -313,7 +374,19 @@ class Seals:
                     SEAL,
                     f"{self.unknown} finished request{'s' if self.unknown != 1 else ''} carry a decision seal that "
                     f"cannot be checked here, the first {first.detail.removeprefix('request ')} (verify where "
-                    "Kazma's decision key is: $KAZMA_DECISION_KEY, or the key file beside the store)",
+                    "Kazma's decision keys are: $KAZMA_DECISION_KEY, or the key file beside the store; a key "
+                    "retired on purpose is recorded by `kazma keys retire`, or by a `# retired ID` line in "
+                    "$KAZMA_DECISION_KEY, and what it sealed is then history)",
+                )
+            )
+        if self.rules_unknown and self.first_rule_unknown is not None:
+            first = self.first_rule_unknown
+            found.append(
+                Problem(
+                    first.seq,
+                    SEAL,
+                    f"{self.rules_unknown} remembered approval{'s' if self.rules_unknown != 1 else ''} carry a seal "
+                    f"that cannot be checked here, the first {first.detail.removeprefix('remembered approval ')}",
                 )
             )
         return found

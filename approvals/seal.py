@@ -60,6 +60,9 @@ class SealProblem:
 
     detail: str
     site: str
+    # Sealed with a key recorded as retired (see kazma.config.keyring.retired_ids): not checked, and it does not
+    # run, but it is history kept on purpose, not a seal nobody can place.
+    retired: bool = False
 
 
 def micros(moment: datetime) -> int:
@@ -151,6 +154,13 @@ def seal_problem(keyring: Keyring | None, request: ApprovalRequest) -> SealProbl
             "it carries no decision seal (decided before Kazma sealed decisions, or written outside Kazma)", FORGED
         )
     key = keyring.find(request.decision_key_id)
+    if key is None and request.decision_key_id in keyring.retired:
+        return SealProblem(
+            f"its seal was made with key {request.decision_key_id!r}, retired here ({keyring.source}): it is no "
+            "longer checked, and an approval it sealed does not run",
+            KEY_UNKNOWN,
+            retired=True,
+        )
     if key is None:
         return SealProblem(
             f"its seal was made with key {request.decision_key_id!r}, which is not in the decision keyring here "

@@ -170,6 +170,24 @@ class UnreadableRequest(sqlite3.OperationalError):
         )
 
 
+def _split_unreadable(
+    columns: str, read: Sequence[Sequence[Any]]
+) -> tuple[list[Sequence[Any]], list[UnreadableRequest]]:
+    """Rows of ``columns`` as read, and those holding bytes where Kazma writes text, named by id."""
+    names = [column.strip() for column in columns.split(",")]
+    rows: list[Sequence[Any]] = []
+    unreadable: list[UnreadableRequest] = []
+    for row in read:
+        bad = [name for name, value in zip(names, row, strict=True) if isinstance(value, bytes)]
+        if not bad:
+            rows.append(row)
+            continue
+        rid = row[0]
+        # An id that is itself not text is shown as the bytes it holds: still the row to look for.
+        unreadable.append(UnreadableRequest(rid.hex() if isinstance(rid, bytes) else str(rid), bad))
+    return rows, unreadable
+
+
 class Rules(NamedTuple):
     """The policy a request opens under, as its row keeps it (approvals.policies).
 
@@ -732,18 +750,7 @@ class ApprovalStore:
     async def _read_byte_safe(
         self, columns: str, rest: str, params: Sequence[Any]
     ) -> tuple[list[Sequence[Any]], list[UnreadableRequest]]:
-        names = [column.strip() for column in columns.split(",")]
-        rows: list[Sequence[Any]] = []
-        unreadable: list[UnreadableRequest] = []
-        for row in await self._byte_safe_rows(columns, rest, params):
-            bad = [name for name, value in zip(names, row, strict=True) if isinstance(value, bytes)]
-            if not bad:
-                rows.append(row)
-                continue
-            rid = row[0]
-            # An id that is itself not text is shown as the bytes it holds: still the row to look for.
-            unreadable.append(UnreadableRequest(rid.hex() if isinstance(rid, bytes) else str(rid), bad))
-        return rows, unreadable
+        return _split_unreadable(columns, await self._byte_safe_rows(columns, rest, params))
 
     async def definition_of(self, request_id: str) -> str | None:
         """The digest of the tool definition ``request_id`` was opened for (None: a tool fixed in Kazma's code, a
@@ -1699,13 +1706,39 @@ class ApprovalStore:
         readable, _ = await self.decided_rows()
         return readable
 
-    async def decided_rows(self) -> tuple[list[ApprovalRequest], list[UnreadableRequest]]:
+    async def decided_rows(
+        self, after: str | None = None, *, limit: int | None = None
+    ) -> tuple[list[ApprovalRequest], list[UnreadableRequest]]:
         """Every request with an outcome, in the order they were decided, and the rows that cannot be read (named
-        by id): ``kazma doctor`` checks the seals of the first and names the second."""
-        rows, unreadable = await self._request_rows_and_unreadable(
-            _COLUMNS, "FROM approval_requests WHERE status != 'pending' ORDER BY decided_at"
-        )
+        by id). With ``after`` (an id, "" for the first) and ``limit``: a page of them by id instead, what ``kazma
+        doctor`` checks the seals of a page at a time (the next from :meth:`page_end`)."""
+        if after is None:
+            rows, unreadable = await self._request_rows_and_unreadable(
+                _COLUMNS, "FROM approval_requests WHERE status != 'pending' ORDER BY decided_at"
+            )
+        else:
+            page = "" if limit is None else f" LIMIT {int(limit)}"
+            rest = f"FROM approval_requests WHERE status != 'pending' AND id > ? ORDER BY id{page}"
+            rows, unreadable = await self._request_rows_and_unreadable(_COLUMNS, rest, (after,))
+            if any(isinstance(value, bytes) for row in rows for value in row):
+                # A BLOB where Kazma writes text (an id, say) reads without a decoding error, so only as bytes:
+                # a page of such rows, without a text that fails to decode beside them, is split here.
+                rows, blobs = _split_unreadable(_COLUMNS, rows)
+                unreadable += blobs
         return [_row_to_request(row) for row in rows], unreadable
+
+    def page_end(self, rows: Sequence[ApprovalRequest], unreadable: Sequence[UnreadableRequest]) -> str | None:
+        """Where the page of :meth:`decided_rows` that gave ``rows`` and ``unreadable`` ends: its last id in the
+        database's order (None: nothing to go on from). PostgreSQL keeps no text that is not UTF-8, so its pages
+        are all readable, in its collation's order; SQLite's compares texts as bytes, as Python does. An id that
+        is not text at all (SQLite sorts it after every text, so the page holding it holds the last of them) ends
+        the walk."""
+        if not unreadable:
+            return rows[-1].id if rows else None
+        if any("id" in u.columns for u in unreadable):
+            return None  # the texts all came before it: what is left is more such ids, already read
+        texts = [r.id for r in rows] + [u.request_id for u in unreadable]
+        return max(texts) if texts else None
 
     async def sealed_since(self) -> float | None:
         """When this store began sealing outcomes (approvals schema v7 applied), or None (not yet)."""

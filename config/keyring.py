@@ -40,6 +40,10 @@ log = structlog.get_logger("kazma.config.keyring")
 _KEY_ID = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _NUMBERED = re.compile(r"k([0-9]{1,9})")
 _ANOTHER_KEY = re.compile(r",[A-Za-z0-9_.-]{1,32}:")  # a comma, then what reads as the next entry's "<id>:"
+# "# retired <id>": a key taken out on purpose (`kazma keys retire` writes it; a person editing the variable may).
+# A comment, so every Kazma reads the text as before; what that key sealed is then history no longer checked, where
+# a key named nowhere is a forgery or a replica given other keys.
+_RETIRED_LINE = re.compile(r"#\s*retired\s+([A-Za-z0-9_.-]{1,32})(?:\s|$)")
 
 
 class KeyringError(Exception):
@@ -165,9 +169,22 @@ def parse_keys(text: str, spec: KeySpec, *, source: str) -> tuple[Key, ...]:
     return tuple(keys)
 
 
-def format_keys(keys: tuple[tuple[str, str], ...], spec: KeySpec) -> str:
-    """The file text of ``(id, written secret)`` pairs, current first."""
+def retired_ids(text: str) -> tuple[str, ...]:
+    """The ids ``text`` records as retired (``# retired <id>`` lines), in order, each once."""
+    found: list[str] = []
+    for line in text.splitlines():
+        match = _RETIRED_LINE.match(line.strip())
+        if match and match.group(1) not in found:
+            found.append(match.group(1))
+    return tuple(found)
+
+
+def format_keys(keys: tuple[tuple[str, str], ...], spec: KeySpec, retired: tuple[str, ...] = ()) -> str:
+    """The file text of ``(id, written secret)`` pairs, current first, and the ids retired from it."""
     lines = [f"# {spec.header}"] + [f"{key_id}:{written}" for key_id, written in keys]
+    lines += [
+        f"# retired {key_id} (kazma keys retire): what it sealed is history, no longer checked" for key_id in retired
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -180,12 +197,21 @@ class Keyring:
     """
 
     def __init__(
-        self, spec: KeySpec, keys: tuple[Key, ...], *, source: str, path: Path | None = None, generated: bool = False
+        self,
+        spec: KeySpec,
+        keys: tuple[Key, ...],
+        *,
+        source: str,
+        path: Path | None = None,
+        generated: bool = False,
+        retired: tuple[str, ...] = (),
     ) -> None:
         if not keys:
             raise KeyMissing(f"{source} holds no key")
         self.spec = spec
         self._keys = keys
+        # Ids taken out on purpose (see retired_ids): what they sealed verifies no more, and is not a forgery.
+        self.retired = retired
         self.source = source  # "$KAZMA_DECISION_KEY", or the file's path
         self.path = path  # the file read, or None (the variable, or keys given in code)
         self.generated = generated  # made by this call (first start)
@@ -230,12 +256,14 @@ class Keyring:
             # the loop) may have read it since this one looked, and it sets what it read before its identity.
             return next((k for k in self._keys if k.id == key_id), None)
         try:
-            keys = parse_keys(self.path.read_text(encoding="utf-8"), self.spec, source=str(self.path))
+            text = self.path.read_text(encoding="utf-8")
+            keys = parse_keys(text, self.spec, source=str(self.path))
         except (OSError, UnicodeDecodeError, KeyringError) as exc:
             log.warning("keyring.reread_failed", purpose=self.spec.purpose, path=str(self.path), error=str(exc))
             self._read_as = seen  # unusable as it is: read again once it changed
             return None
         self._keys = keys
+        self.retired = retired_ids(text)
         self._read_as = seen  # after the keys: whoever finds it unchanged finds them
         log.info("keyring.reread", purpose=self.spec.purpose, path=str(self.path), keys=list(self.ids), wanted=key_id)
         return next((k for k in keys if k.id == key_id), None)
@@ -243,7 +271,9 @@ class Keyring:
     def describe(self) -> str:
         """One line for people: where the keys are and which ids, never a secret."""
         older = f"; older, verifying only: {', '.join(self.ids[1:])}" if len(self._keys) > 1 else ""
-        return f"{self.source}: current key {self.current.id}{older}"
+        gone = [i for i in self.retired if i not in self.ids]
+        retired = f"; retired (what they sealed is history, not checked): {', '.join(gone)}" if gone else ""
+        return f"{self.source}: current key {self.current.id}{older}{retired}"
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:
@@ -262,7 +292,7 @@ def read_keyring(spec: KeySpec, folder: Path, environ: Mapping[str, str] | None 
     written = environ.get(spec.env, "")
     if written.strip():
         source = f"${spec.env}"
-        return Keyring(spec, parse_keys(written, spec, source=source), source=source)
+        return Keyring(spec, parse_keys(written, spec, source=source), source=source, retired=retired_ids(written))
     path = spec.file(folder)
     try:
         text = path.read_text(encoding="utf-8")
@@ -270,7 +300,9 @@ def read_keyring(spec: KeySpec, folder: Path, environ: Mapping[str, str] | None 
         raise KeyMissing(f"no {spec.purpose} key: {spec.env} is not set and {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise KeyringError(f"{path} cannot be read: {exc}") from None
-    return Keyring(spec, parse_keys(text, spec, source=str(path)), source=str(path), path=path)
+    return Keyring(
+        spec, parse_keys(text, spec, source=str(path)), source=str(path), path=path, retired=retired_ids(text)
+    )
 
 
 def open_keyring(
@@ -370,6 +402,11 @@ def _written_entries(path: Path, spec: KeySpec) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _retired_in(path: Path) -> tuple[str, ...]:
+    """The ids ``path`` records as retired (read after :func:`_written_entries` read it)."""
+    return retired_ids(path.read_text(encoding="utf-8"))
+
+
 def _file_only(spec: KeySpec, environ: Mapping[str, str] | None) -> None:
     environ = os.environ if environ is None else environ
     if environ.get(spec.env, "").strip():
@@ -392,8 +429,10 @@ def rotate_key_file(spec: KeySpec, folder: Path, environ: Mapping[str, str] | No
     if not path.exists():
         return _create(spec, folder)
     pairs = _written_entries(path, spec)
-    new = (next_key_id(tuple(p[0] for p in pairs)), spec.generate())
-    _replace(path, format_keys((new, *pairs), spec))
+    retired = _retired_in(path)
+    # Never an id once retired: its old seals would read as forged under the new key, not as history.
+    new = (next_key_id(tuple(p[0] for p in pairs) + retired), spec.generate())
+    _replace(path, format_keys((new, *pairs), spec, retired))
     log.info("keyring.rotated", purpose=spec.purpose, path=str(path), current=new[0])
     return read_keyring(spec, folder, environ={})
 
@@ -410,6 +449,8 @@ def retire_key(spec: KeySpec, folder: Path, key_id: str, environ: Mapping[str, s
         raise KeyringError(f"{path} holds no key {key_id!r} (keys: {', '.join(p[0] for p in pairs)})")
     if pairs[0][0] == key_id:
         raise KeyringError(f"{key_id} is the current key: rotate first (`kazma keys rotate`), then retire it")
-    _replace(path, format_keys(tuple(p for p in pairs if p[0] != key_id), spec))
+    # Recorded as retired: what it sealed is then history to `kazma audit verify`, not a seal it cannot place.
+    retired = (*(i for i in _retired_in(path) if i != key_id), key_id)
+    _replace(path, format_keys(tuple(p for p in pairs if p[0] != key_id), spec, retired))
     log.info("keyring.retired", purpose=spec.purpose, path=str(path), key=key_id)
     return read_keyring(spec, folder, environ={})

@@ -8,6 +8,7 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from click.testing import CliRunner, Result
@@ -25,11 +26,14 @@ from kazma.approvals.audit_export import (
 from kazma.approvals.audit_verify import verify
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpoints import HEAD, Checkpoint
-from kazma.bot.cli import audit_cli, main
+from kazma.bot.cli import audit_cli, decision_checks, main
+from kazma.bot.cli.checks import Level
+from kazma.config import load_config
 from tests.approvals_support import TEST_SIGNER, approval_service
-from tests.audit_support import KEY_ENV, Attacker, config_text, rechained, run_async
-from tests.store_backends import Engine
+from tests.audit_support import KEY_ENV, Attacker, config_text, make_log, rechained, run_async
+from tests.store_backends import Engine, raw_rows
 
+T = TypeVar("T")
 EVENTS = 20_000
 SIGNED_EVERY = 1_000
 PAGE = 500  # events a page: what a walk holds at a time, so the bound below is far under the log held whole
@@ -85,6 +89,16 @@ def _peak(run: Callable[[], Result]) -> tuple[Result, int]:
         tracemalloc.stop()
 
 
+def _peak_of(run: Callable[[], T]) -> tuple[T, int]:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        result = run()
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def _verify(config: Path, *args: str) -> Result:
     return CliRunner().invoke(main, ["-c", str(config), "audit", "verify", *args], env=KEY_ENV)
 
@@ -106,6 +120,23 @@ def test_verify_on_the_store_reads_the_checkpoints_in_pages_too(big_log: Path, s
     assert result.exit_code == 0, result.stdout
     assert f"ok: {EVENTS} events (seq 1..{EVENTS}) chained, {EVENTS} checkpoints signed" in result.stdout
     assert peak < BOUND, f"verify held {peak / 1e6:.1f} MB for {EVENTS} checkpoints"
+
+
+@pytest.mark.parametrize("big_log", [1], ids=["signed_every_event"], indirect=True)
+def test_export_reads_the_checkpoints_in_pages_beside_the_events(
+    big_log: Path, store_engine: Engine, tmp_path: Path
+) -> None:
+    """`audit export` read every checkpoint into a list first (and the ones it kept into another): with one for
+    every event, the 20,000 checkpoints alone took more than the bound, where verify on the store reads pages."""
+    out = tmp_path / "audit.jsonl"
+    result, peak = _peak(
+        lambda: CliRunner().invoke(main, ["-c", str(big_log), "audit", "export", "--out", str(out)], env=KEY_ENV)
+    )
+    assert result.exit_code == 0, result.output
+    assert f"exported {EVENTS} events and {EVENTS} checkpoints from seq 1" in result.output, result.output
+    assert peak < BOUND, f"export held {peak / 1e6:.1f} MB for {EVENTS} checkpoints"
+    # What it wrote is what it wrote before: each checkpoint right after the event it signs.
+    assert _verify(big_log, "--from-export", str(out)).exit_code == 0
 
 
 def test_an_event_removed_is_named_as_before_in_the_second_pass_without_holding_the_log(
@@ -185,3 +216,48 @@ def test_a_seq_given_twice_with_different_contents_is_refused_as_before(later: i
     with pytest.raises(ExportError) as whole:
         events_in_order(read_export(path.read_bytes(), source=str(path)))
     assert str(ExportFile(path).conflict) == str(whole.value) == "seq 5 appears twice with different contents"
+
+
+DECIDED = 20_000
+
+
+def test_doctor_checks_the_decided_rows_seals_a_page_at_a_time(
+    store_engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kazma doctor`'s seal check read every decided row at once (and kept every failing one): 20,000 rows copied
+    around Kazma from one real decision (each seal then binds another id) took more than the bound."""
+    log = run_async(make_log(store_engine.where))
+    if store_engine.postgres:
+        columns = [
+            str(r[0])
+            for r in raw_rows(
+                store_engine,
+                "SELECT column_name FROM information_schema.columns WHERE table_name = 'approval_requests'"
+                " ORDER BY ordinal_position",
+            )
+        ]
+        numbers = f"generate_series(1, {DECIDED}) AS n(i)"
+        prefix = ""
+    else:
+        columns = [str(r[1]) for r in raw_rows(store_engine, "PRAGMA table_info(approval_requests)")]
+        prefix = f"WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {DECIDED}) "  # noqa: S608
+        numbers = "n"
+    others = ", ".join(c for c in columns if c != "id")
+    copied = ", ".join(f"r.{c}" for c in columns if c != "id")
+    Attacker(store_engine).run(
+        (
+            f"INSERT INTO approval_requests (id, {others}) {prefix}SELECT r.id || '-' || CAST(i AS TEXT), {copied}"  # noqa: S608
+            f" FROM approval_requests r, {numbers} WHERE r.id = ?",
+            (log.requests["deploy"],),
+        )
+    )
+    monkeypatch.setattr(decision_checks, "PAGE", 500)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, store_engine))
+    monkeypatch.setenv("KAZMA_DECISION_KEY", str(KEY_ENV["KAZMA_DECISION_KEY"]))
+    loaded = load_config(config)
+    (check, sealed), peak = _peak_of(lambda: run_async(decision_checks.check_decision_seals(loaded)))
+    assert sealed == DECIDED + 3
+    assert check.level is Level.FAIL, check
+    assert f"{DECIDED} decided rows whose seal does not verify, {DECIDED} of them approved" in check.detail, check
+    assert peak < BOUND, f"doctor held {peak / 1e6:.1f} MB for {DECIDED} decided rows"

@@ -22,10 +22,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 
 from kazma.approvals import Decision, ExecutionMismatch, Status
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, seal, seal_problem
 from kazma.approvals.service import ApprovalService
+from kazma.bot.cli import main
 from kazma.bot.cli.cli_identity import system_login
 from kazma.bot.cli.decision_checks import KEY_CHECK, SEAL_CHECK, check_decision_key, check_decisions
 from kazma.bot.cli.doctor import Level
@@ -303,11 +305,16 @@ async def test_rotating_keeps_decided_requests_valid_new_decisions_use_the_new_k
 
     retire_key(DECISION_KEYS, folder, "k1", environ={})
     async with approval_service(store_engine.where, keyring=open_keyring(DECISION_KEYS, folder, environ={})) as service:
-        await refused(service, before.id, "made with key 'k1', which is not in the decision keyring", site=KEY_UNKNOWN)
+        await refused(service, before.id, "made with key 'k1', retired here", site=KEY_UNKNOWN)
         refusal = (await service.store.events(before.id, event="execution_refused"))[-1]
         assert refusal.detail is not None
-        assert "was it retired" in refusal.detail
+        assert "an approval it sealed does not run" in refusal.detail
         await service.verify_execution(after.id, "shell", ARGS)  # k2's approvals are unaffected
+    # The file records k1 as retired (what it sealed is history to `audit verify`), through a later rotation,
+    # which never hands its id to a new key: k1's old seals would then read as forged, not as retired.
+    again = rotate_key_file(DECISION_KEYS, folder, environ={})
+    assert again.ids == ("k3", "k2")
+    assert again.retired == ("k1",)
 
 
 async def test_a_running_kazma_verifies_a_key_rotated_in_while_it_ran(tmp_path: Path) -> None:
@@ -569,6 +576,14 @@ def test_kazma_keys_rotate_and_retire_and_approvals_show_says_whether_a_seal_ver
     assert with_env.returncode == 1
     assert "change that variable" in with_env.stderr
     assert read_keyring(DECISION_KEYS, tmp_path / "state-keys", environ={}).ids == ("k2", "k1")
+    # In this process (the lines above run the installed command): what the file keeps of a retired key (its id,
+    # never its secret) is what audit verify reads as "retired on purpose".
+    in_process = {"KAZMA_DECISION_KEY": None, "KAZMA_AUDIT_KEY": None}
+    config = ["-c", str(tmp_path / "kazma.yaml"), "keys"]
+    retired = CliRunner().invoke(main, [*config, "retire", "k1"], env=in_process)
+    assert retired.exit_code == 0, retired.output
+    now = CliRunner().invoke(main, [*config, "list"], env=in_process)
+    assert "current key k2; retired (what they sealed is history, not checked): k1" in now.stdout, now.stdout
 
 
 async def test_an_approval_made_by_another_process_runs_here_and_a_forged_one_does_not(tmp_path: Path) -> None:

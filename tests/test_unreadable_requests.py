@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from kazma.approvals.model import Decision, PressVerdict, Status, Waits
 from kazma.approvals.store import UnreadableRequest
 from kazma.approvals.withdrawal import POLL_GRACE
-from kazma.bot.cli import main
+from kazma.bot.cli import decision_checks, main
 from kazma.config.metrics import failure_count
 from tests.approvals_support import ManualClock, approval_service
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
@@ -61,6 +61,31 @@ def test_doctor_names_a_decided_row_it_cannot_read_and_checks_the_others(tmp_pat
             assert [(u.request_id, u.columns) for u in unreadable] == [(drop, ("reason",))]
 
     run_async(read())
+
+
+@pytest.mark.parametrize("page", [1, 2, 500])
+def test_doctor_reading_pages_names_each_unreadable_row_once_whatever_its_page(
+    tmp_path: Path, sqlite: Engine, monkeypatch: pytest.MonkeyPatch, page: int
+) -> None:
+    """doctor reads the decided rows a page at a time by id: a row whose id is not text (SQLite sorts it after
+    every text) and one whose reason is not UTF-8 are each named once, and the readable one is still checked."""
+    log: Log = run_async(make_log(sqlite.where))
+    drop, late = log.requests["drop"], log.requests["late"]
+    Attacker(sqlite).run(
+        (f"UPDATE approval_requests SET reason = {NOT_UTF8} WHERE id = ?", (drop,)),  # noqa: S608
+        ("UPDATE approval_requests SET id = X'ff64' WHERE id = ?", (late,)),
+    )
+    monkeypatch.setattr(decision_checks, "PAGE", page)
+    config = tmp_path / "kazma.yaml"
+    config.write_text(config_text(tmp_path, sqlite))
+    doctor = CliRunner().invoke(
+        main, ["-c", str(config), "doctor", "--platform-timeout", "1", "--model-timeout", "1"], env=KEY_ENV
+    )
+    [line] = [text for text in doctor.output.splitlines() if "decision seals" in text]
+    assert "2 decided rows cannot be read, a text in them not UTF-8" in line, line
+    assert line.count(f"{drop} (reason)") == 1, line
+    assert line.count("ff64 (id") == 1, line
+    assert "of the others" not in line, line  # the approved deploy's seal verifies
 
 
 def test_lists_and_a_start_go_on_past_an_unreadable_row_and_it_is_never_approved(sqlite: Engine) -> None:

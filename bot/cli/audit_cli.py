@@ -37,11 +37,14 @@ from kazma.approvals.audit_verify import Head, HeadError, Report, Seals, Verific
 from kazma.approvals.chain import ChainedEvent
 from kazma.approvals.checkpointer import vouched_tail
 from kazma.approvals.checkpoints import HISTORY, Checkpoint, PublicKeyError, PublicKeys
+from kazma.approvals.rules import RuleStore
 from kazma.approvals.store import UnreadableRequest
 from kazma.bot.cli.context import EXIT_CONFIG, Context
 from kazma.bot.keys import audit_key_problem, read_audit_signer, read_decision_keyring
 from kazma.bot.store import store_for_command
+from kazma.config.keyring import Keyring
 from kazma.config.models import KazmaConfig
+from kazma.config.store.backend import StoreConnection
 
 EXIT_FAILED = 1
 PAGE = 5000
@@ -209,8 +212,7 @@ def verify_command(
         report = asyncio.run(_verify_store(config, keys, given))
     _print(report)
     if report.seals is not None and report.ok:
-        before = f" ({report.seals.historic} decided before seals)" if report.seals.historic else ""
-        click.echo(f"decision seals: {report.seals.verified} verified{before}")
+        click.echo(report.seals.summary())
     if not report.ok:
         sys.exit(EXIT_FAILED)
 
@@ -258,6 +260,7 @@ async def _verify_store(config: KazmaConfig, keys: PublicKeys, heads: list[Head]
         unrecorded, more = await store.unrecorded_requests(limit=UNRECORDED)
         seals = Seals(read_decision_keyring(config), verification.history, await store.sealed_since())
         await _judge_seals(store, seals, upto=newest)
+        await _judge_rules(conn, store, seals, seals.keyring, beyond=newest + 1)
         changed, more_changed = await store.calls_changed(limit=UNRECORDED)
         seals.changed_calls(changed, more=more_changed)
     return verification.report(unrecorded, unrecorded_more=more, pending=pending, seals=seals)
@@ -282,6 +285,33 @@ async def _judge_seals(store: ApprovalStore, seals: Seals, *, upto: int) -> None
         after = endings[-1][0]
 
 
+async def _judge_rules(
+    conn: StoreConnection, store: ApprovalStore, seals: Seals, keyring: Keyring | None, *, beyond: int
+) -> None:
+    """Every remembered approval's row, a page at a time: its seal, and a revocation within the log walked (to
+    ``beyond``, exclusive) its row no longer says. A row with no ``rule_created`` (written around Kazma) is named
+    where that log ends."""
+    rules = RuleStore(conn)
+    since = await rules.sealed_since()
+    after = ""
+    while True:
+        page = await rules.page(after, limit=PAGE)
+        if not page:
+            return
+        events = await RuleStore.recorded(store, page)
+        for rule in page:
+            created, revoked = events[rule.id]
+            if revoked is not None and revoked >= beyond:
+                revoked = None  # revoked after the log walked ends (Kazma runs): its row may have been read before
+            problem = rule.seal_problem(keyring)
+            unsealed_before = rule.seal is None and since is not None and rule.created_at < since
+            seals.judge_rule(
+                beyond if created is None else created, rule.id, rule.created_by, problem,
+                unsealed_before=unsealed_before, revoked_seq=revoked, in_force=rule.revoked_at is None,
+            )  # fmt: skip
+        after = page[-1].id
+
+
 async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = None) -> AsyncIterator[list[ChainedEvent]]:
     while True:
         batch = await store.chain_events(after, limit=PAGE)
@@ -296,10 +326,10 @@ async def _pages(store: ApprovalStore, after: int = 0, *, upto: int | None = Non
 class _Signed:
     """The store's checkpoints to ``upto``, in sequence order, read a page at a time as the walk reaches them."""
 
-    def __init__(self, store: ApprovalStore, *, upto: int) -> None:
+    def __init__(self, store: ApprovalStore, *, upto: int, after: int = 0) -> None:
         self.store = store
         self.upto = upto
-        self.after = 0
+        self.after = after
         self.page: deque[Checkpoint] = deque()
         self.done = False
 
@@ -324,16 +354,6 @@ class _Signed:
             if not self.page or self.page[0].seq > seq:
                 return
             yield self.page.popleft()
-
-
-async def _checkpoints(store: ApprovalStore, after: int = 0) -> list[Checkpoint]:
-    found: list[Checkpoint] = []
-    while True:
-        batch = await store.chain_checkpoints(after, limit=PAGE)
-        if not batch:
-            return found
-        found += batch
-        after = batch[-1].seq
 
 
 @audit.command("export")
@@ -361,20 +381,22 @@ async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, in
     signer = read_audit_signer(config)
     async with store_for_command(config, read_only=True) as conn:
         store = ApprovalStore(conn)
-        checkpoints = await _checkpoints(store)
-        history = next((c for c in checkpoints if c.kind == HISTORY), None)
-        if history is not None and history.first_seq < since <= history.seq:
-            since = history.first_seq  # events before the chain can only be checked from their first one
-        kept = [c for c in checkpoints if c.seq >= since]
-        # Only what a checkpoint read here signs: an event appended since (Kazma runs) or left unsigned by a crash
-        # can be vouched for only with the audit key, which a verifier elsewhere does not hold, so it would fail
-        # there as "written outside Kazma". The next export (after the next checkpoint) holds it.
-        signed_to = max((c.seq for c in checkpoints), default=None)
+        # The last checkpoint first, the others read a page at a time beside the events (never held whole): only
+        # what a checkpoint read here signs is exported. An event appended since (Kazma runs) or left unsigned by a
+        # crash can be vouched for only with the audit key, which a verifier elsewhere does not hold, so it would
+        # fail there as "written outside Kazma". The next export (after the next checkpoint) holds it.
+        last = await store.last_checkpoint()
+        signed_to = None if last is None else last.seq
+        first = await _Signed(store, upto=signed_to or 0).first()
+        if first is not None and first.kind == HISTORY and first.first_seq < since <= first.seq:
+            since = first.first_seq  # events before the chain can only be checked from their first one
         out.write(line(header_record(since=since, key_ids=[] if signer is None else signer.keyring.ids)))
-        events = 0
-        async for record in export_records(_pages(store, since - 1, upto=signed_to), kept):
+        events = kept = 0
+        signed = _Signed(store, upto=signed_to or 0, after=since - 1)
+        async for record in export_records(_pages(store, since - 1, upto=signed_to), signed.through(signed_to or 0)):
             out.write(line(record))
             events += record["type"] == "event"
+            kept += record["type"] == "checkpoint"
         newest = await store.last_event_seq()
         if signed_to is not None and newest > signed_to:
             left = newest - signed_to
@@ -383,7 +405,7 @@ async def _export(config: KazmaConfig, since: int, out: TextIO) -> tuple[int, in
                 " again after the next checkpoint, within a minute while Kazma runs)",
                 err=True,
             )
-        return events, len(kept), since
+        return events, kept, since
 
 
 @audit.command("public-key")
