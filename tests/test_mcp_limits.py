@@ -86,15 +86,23 @@ async def test_a_10_mb_stdio_answer_is_cut_while_it_arrives(tmp_path: Path) -> N
         assert connection.starts == 1
 
 
-async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
+@pytest.mark.parametrize("answered_with", [(), ("sse",)], ids=["json", "events"])
+async def test_a_10_mb_http_answer_is_cut_while_it_arrives(answered_with: tuple[str, ...]) -> None:
+    """Over HTTP as over stdio: the call's answer (one JSON body, or one server-sent event) is cut at
+    max_message_bytes while it arrives, and the call is said to have run with its outcome unknown. It was said to
+    have "failed" (a JSON parse error, or "SSE stream failed"), so its execution was recorded as failed, not as
+    one that may have acted; the event's error did not name the bound at all."""
     async with (
-        mcp_server_over_http(SPY) as url,
+        mcp_server_over_http(SPY, *answered_with) as url,
         _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection,
     ):
         result, grown = await _flood_costs(connection)
         assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         assert not result.ok
         assert "longer than 4194304 bytes" in (result.error or ""), result.error
+        assert "mcp_servers.spy.max_message_bytes" in (result.error or ""), result.error
+        assert result.outcome_unknown
+        assert result.truncated
         after = await connection.call("flood", {"size": 10})
         assert after.ok
         assert after.output == "x" * 10

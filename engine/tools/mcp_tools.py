@@ -247,11 +247,15 @@ class MCPConnection:
         except Exception as exc:
             from mcp import MCPError
 
-            if isinstance(exc, MCPError) and exc.code == CUT_CODE:
+            from kazma.engine.tools.mcp_http import answer_cut
+
+            if isinstance(exc, MCPError) and (exc.code == CUT_CODE or answer_cut(exc)):
+                # Over HTTP the SDK says it in its own words (a parse error, "SSE stream failed"): said as stdio does
+                said = exc.message if exc.code == CUT_CODE else self._cut_said()
                 return ToolResult(
                     ok=False,
                     output="",
-                    error=f"{self.name}/{tool}: {exc.message}. The tool may have acted.",
+                    error=f"{self.name}/{tool}: {said}. The tool may have acted.",
                     changed_state=True,
                     truncated=True,
                     outcome_unknown=True,
@@ -269,6 +273,12 @@ class MCPConnection:
                 outcome_unknown=True,
             )
         return _result(self.name, tool, result, self.config.max_output_chars)
+
+    def _cut_said(self) -> str:
+        return (
+            f"the server's answer was longer than {self.config.max_message_bytes} bytes "
+            f"(mcp_servers.{self.name}.max_message_bytes); Kazma cut it off unread"
+        )
 
     def _fail(self, why: str) -> None:
         self.problem = f"MCP server {self.name!r} is restarting after: {why}"
