@@ -211,8 +211,23 @@ class MCPConnection:
                 await self._list(session)
                 log.info("mcp.tools_relisted", server=self.name, tools=sorted(self.tools))
                 continue
+            await self._ping(session)
+
+    async def _ping(self, session: ClientSession) -> None:
+        """Ping the server; what it raises ends the connection. Its answer cut off unread (over the bound, or ended
+        with every request in flight when a cut message's id was in doubt) is the server talking, not a server that
+        stopped: a restart for it would cut off its other calls and refuse its tools meanwhile, for nothing."""
+        from mcp import MCPError
+
+        from kazma.engine.tools.mcp_http import answer_cut
+
+        try:
             async with asyncio.timeout(self.config.call_timeout_seconds):
                 await session.send_ping()
+        except MCPError as exc:
+            if exc.code != CUT_CODE and not answer_cut(exc):
+                raise
+            log.warning("mcp.ping_cut", server=self.name, error=_describe(exc))
 
     async def _list(self, session: ClientSession) -> None:
         async with asyncio.timeout(self.config.start_timeout_seconds):
