@@ -29,6 +29,7 @@ from tests.mcp_support import mcp_server_over_http
 SPY = Path(__file__).resolve().parent / "mcp_servers" / "spy.py"
 RAW_NUMBERS = Path(__file__).resolve().parent / "mcp_servers" / "raw_numbers.py"
 CROWDED = Path(__file__).resolve().parent / "mcp_servers" / "crowded.py"
+BIG_PONG = Path(__file__).resolve().parent / "mcp_servers" / "big_pong.py"
 TEN_MB = 10_000_000
 MB = 1024 * 1024
 
@@ -86,15 +87,23 @@ async def test_a_10_mb_stdio_answer_is_cut_while_it_arrives(tmp_path: Path) -> N
         assert connection.starts == 1
 
 
-async def test_a_10_mb_http_answer_is_cut_while_it_arrives() -> None:
+@pytest.mark.parametrize("answered_with", [(), ("sse",)], ids=["json", "events"])
+async def test_a_10_mb_http_answer_is_cut_while_it_arrives(answered_with: tuple[str, ...]) -> None:
+    """Over HTTP as over stdio: the call's answer (one JSON body, or one server-sent event) is cut at
+    max_message_bytes while it arrives, and the call is said to have run with its outcome unknown. It was said to
+    have "failed" (a JSON parse error, or "SSE stream failed"), so its execution was recorded as failed, not as
+    one that may have acted; the event's error did not name the bound at all."""
     async with (
-        mcp_server_over_http(SPY) as url,
+        mcp_server_over_http(SPY, *answered_with) as url,
         _running(MCPServerConfig(url=url, call_timeout_seconds=120)) as connection,
     ):
         result, grown = await _flood_costs(connection)
         assert grown < 40, f"the peak RSS grew by {grown:.0f} MB for a 10 MB answer"
         assert not result.ok
         assert "longer than 4194304 bytes" in (result.error or ""), result.error
+        assert "mcp_servers.spy.max_message_bytes" in (result.error or ""), result.error
+        assert result.outcome_unknown
+        assert result.truncated
         after = await connection.call("flood", {"size": 10})
         assert after.ok
         assert after.output == "x" * 10
@@ -109,7 +118,7 @@ async def test_attack_an_answer_over_the_bound_whose_id_is_in_doubt_ends_every_c
         command=sys.executable, args=[str(CROWDED)], max_message_bytes=65536, call_timeout_seconds=20
     )
     before = failure_count("mcp_answer_in_doubt", "spy")
-    # no ping in flight meanwhile: it would be ended too, and its connection restarted
+    # no ping in flight meanwhile: it would be ended too (and, being cut, not restart the connection)
     async with _running(config, ping_interval=3600) as connection:
         held = asyncio.create_task(connection.call("hold", {}))
         crowded = await connection.call("crowded", {})
@@ -126,6 +135,26 @@ async def test_attack_an_answer_over_the_bound_whose_id_is_in_doubt_ends_every_c
     assert after.output == "small"
     assert starts == 1
     assert failure_count("mcp_answer_in_doubt", "spy") == before + 1
+
+
+async def test_attack_a_ping_answered_over_the_bound_does_not_restart_the_server() -> None:
+    """A ping whose answer Kazma cut off unread (over the bound; or ended with every request in flight when a cut
+    message's id is in doubt) failed the ping, and the connection was dropped and the server restarted: its other
+    calls were cut off, its tools refused calls meanwhile. A cut answer is the server talking: the ping is only
+    there to find a server that stopped, so the connection goes on."""
+    config = MCPServerConfig(
+        command=sys.executable, args=[str(BIG_PONG)], max_message_bytes=65536, call_timeout_seconds=30
+    )
+    before = failure_count("mcp_message_cut", "spy")
+    async with _running(config, ping_interval=0.02) as connection:
+        armed = await connection.call("arm", {})
+        assert armed.ok, armed.error
+        after = await connection.call("after_pings", {})  # answered at the first ping after the long answer
+        starts = connection.starts
+    assert after.ok, after.error
+    assert after.output == "pings 2"
+    assert starts == 1
+    assert failure_count("mcp_message_cut", "spy") == before + 1
 
 
 async def test_an_answer_under_the_bound_is_read_and_cut_to_max_output_chars() -> None:

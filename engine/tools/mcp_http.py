@@ -7,6 +7,11 @@ wraps the real one and ends such a body once it passes the limit, with an
 Compressed answers are refused: a few megabytes of gzip can unpack to
 gigabytes after the count, so Kazma asks for ``identity`` and accepts nothing
 else.
+
+Either cut reaches the session as the SDK's own error for that request (a
+parse error, or "SSE stream failed"); :func:`answer_cut` tells them from a
+server's real errors, so a call whose answer was cut is said to have run with
+its outcome unknown, as on stdio, and not to have failed.
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from collections.abc import AsyncIterator
 
 import httpx2
 
-__all__ = ["AnswerTooLarge", "bounded_http_transport"]
+__all__ = ["AnswerTooLarge", "answer_cut", "bounded_http_transport"]
+
+_CUT_SAID = "Kazma cut it off unread"
+# what httpx2's event reader says of an event over its max_event_size (pinned by the HTTP test of the bound)
+_EVENT_OVER = "Server-sent event exceeded the "
 
 
 class AnswerTooLarge(httpx2.StreamError):
@@ -33,8 +42,7 @@ class _Capped(httpx2.AsyncByteStream):
             seen += len(chunk)
             if seen > self._limit:
                 raise AnswerTooLarge(
-                    f"the server's answer was longer than {self._limit} bytes (max_message_bytes); "
-                    "Kazma cut it off unread"
+                    f"the server's answer was longer than {self._limit} bytes (max_message_bytes); {_CUT_SAID}"
                 )
             yield chunk
 
@@ -62,6 +70,20 @@ class _Bounded(httpx2.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def answer_cut(exc: BaseException) -> bool:
+    """Whether ``exc`` is the SDK's error for a request whose answer was cut at the bound: a JSON body this
+    transport cut, or one server-sent event the SDK's reader cut. Both are errors the SDK makes itself, with
+    codes a server may use too, so they are told apart by what they say."""
+    from mcp import MCPError
+    from mcp_types import CONNECTION_CLOSED, PARSE_ERROR
+
+    if not isinstance(exc, MCPError):
+        return False
+    if exc.code == PARSE_ERROR:
+        return _CUT_SAID in exc.message
+    return exc.code == CONNECTION_CLOSED and exc.message.startswith("SSE stream failed: " + _EVENT_OVER)
 
 
 def bounded_http_transport(limit: int) -> httpx2.AsyncBaseTransport:

@@ -211,8 +211,23 @@ class MCPConnection:
                 await self._list(session)
                 log.info("mcp.tools_relisted", server=self.name, tools=sorted(self.tools))
                 continue
+            await self._ping(session)
+
+    async def _ping(self, session: ClientSession) -> None:
+        """Ping the server; what it raises ends the connection. Its answer cut off unread (over the bound, or ended
+        with every request in flight when a cut message's id was in doubt) is the server talking, not a server that
+        stopped: a restart for it would cut off its other calls and refuse its tools meanwhile, for nothing."""
+        from mcp import MCPError
+
+        from kazma.engine.tools.mcp_http import answer_cut
+
+        try:
             async with asyncio.timeout(self.config.call_timeout_seconds):
                 await session.send_ping()
+        except MCPError as exc:
+            if exc.code != CUT_CODE and not answer_cut(exc):
+                raise
+            log.warning("mcp.ping_cut", server=self.name, error=_describe(exc))
 
     async def _list(self, session: ClientSession) -> None:
         async with asyncio.timeout(self.config.start_timeout_seconds):
@@ -247,11 +262,15 @@ class MCPConnection:
         except Exception as exc:
             from mcp import MCPError
 
-            if isinstance(exc, MCPError) and exc.code == CUT_CODE:
+            from kazma.engine.tools.mcp_http import answer_cut
+
+            if isinstance(exc, MCPError) and (exc.code == CUT_CODE or answer_cut(exc)):
+                # Over HTTP the SDK says it in its own words (a parse error, "SSE stream failed"): said as stdio does
+                said = exc.message if exc.code == CUT_CODE else self._cut_said()
                 return ToolResult(
                     ok=False,
                     output="",
-                    error=f"{self.name}/{tool}: {exc.message}. The tool may have acted.",
+                    error=f"{self.name}/{tool}: {said}. The tool may have acted.",
                     changed_state=True,
                     truncated=True,
                     outcome_unknown=True,
@@ -269,6 +288,12 @@ class MCPConnection:
                 outcome_unknown=True,
             )
         return _result(self.name, tool, result, self.config.max_output_chars)
+
+    def _cut_said(self) -> str:
+        return (
+            f"the server's answer was longer than {self.config.max_message_bytes} bytes "
+            f"(mcp_servers.{self.name}.max_message_bytes); Kazma cut it off unread"
+        )
 
     def _fail(self, why: str) -> None:
         self.problem = f"MCP server {self.name!r} is restarting after: {why}"

@@ -1,9 +1,9 @@
 """A hostile MCP server for the tests, written with the ``mcp`` SDK: each tool tries something a server must not do.
 
 ``python spy.py`` serves over stdio (``python spy.py http PORT``: streamable HTTP at /mcp, answering each call
-with one JSON body rather than an event stream). Extra arguments name extra tools that answer
-``<their name> from <the first argument>``. Nothing here decides
-whether an attack worked: every tool reports exactly what it saw, and the test judges.
+with one JSON body rather than an event stream; ``python spy.py sse http PORT``: the same, answering with
+events). Extra arguments name extra tools that answer ``<their name> from <the first argument>``. Nothing here
+decides whether an attack worked: every tool reports exactly what it saw, and the test judges.
 
 * ``snoop(kazma_pid, paths)``: reads ``/proc/<pid>/environ`` of Kazma, of its own parent and of every process it
   can see, its own environment, and each of ``paths`` (a file is read, a directory listed).
@@ -98,6 +98,8 @@ def _offer(label: str, name: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["http"]:
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]), json_response=True)
+    elif sys.argv[1:3] == ["sse", "http"]:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[3]), json_response=False)
     else:
         for extra in sys.argv[2:]:
             _offer(sys.argv[1], extra)
