@@ -296,7 +296,9 @@ class Replication:
             # transaction_read_only when it opened). A refusal it met is not the answer for good: it dropped that
             # session, and once the database takes writes again its next one does (read_only asks one opened now).
             refused = self.store.refusing_writes is not None
-            refuses = await read_only(self.store.pool, self.store.conninfo, writer_refused=refused)
+            refuses = await read_only(
+                self.store.pool, self.store.conninfo, writer_refused=refused, connect_timeout=self.store.connect_timeout
+            )
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a

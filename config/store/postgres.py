@@ -1244,6 +1244,11 @@ class PgStore:
         return self._writer.conninfo
 
     @property
+    def connect_timeout(self) -> float:
+        """How long an open of a session of this store may take (the pool's and the writer's bound)."""
+        return self._writer.connect_timeout
+
+    @property
     def writer_pid(self) -> int | None:
         """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
         return self._writer.backend_pid
