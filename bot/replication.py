@@ -170,6 +170,9 @@ class Replication:
         self._recorded_on: int | None = None  # ... on this lease session
         self._recorded_at = 0.0  # ... at this time
         self._health_reads: set[asyncio.Task[Any]] = set()  # health reads past their bound, still being cancelled
+        # The writer's refusal count that a session opened for the question found outdated (the database took
+        # writes): its next session opens now and takes them, no need to ask again until it is refused again.
+        self._refusals_outdated: int | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -295,10 +298,15 @@ class Replication:
             # writes, and it may refuse while the read pool's take writes (each took the database's default
             # transaction_read_only when it opened). A refusal it met is not the answer for good: it dropped that
             # session, and once the database takes writes again its next one does (read_only asks one opened now).
-            refused = self.store.refusing_writes is not None
+            # Asked once per refusal: the refusal stands until the writer writes, and a quiet replica asked a
+            # session opened for the question on every /healthz (a monitor's every second) for hours after it.
+            refusals = self.store.writer_refusals
+            refused = self.store.refusing_writes is not None and refusals != self._refusals_outdated
             refuses = await read_only(
                 self.store.pool, self.store.conninfo, writer_refused=refused, connect_timeout=self.store.connect_timeout
             )
+            if refused and not refuses:
+                self._refusals_outdated = refusals
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a

@@ -779,6 +779,41 @@ async def test_a_writer_that_met_a_read_only_database_is_not_503_once_the_databa
         assert (status, lines[0]) == (200, "ok"), lines
 
 
+async def test_a_writers_old_refusal_is_asked_of_a_new_session_once_not_on_every_healthz(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's refusal stands until its next write: a quiet replica opened a session for the question on
+    every /healthz (a monitor's every second) for as long, and said 503 "refusing writes" when the server
+    could not give it one (full), every write taken. A new refusal is asked about again."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 3600.0)  # no record written again in the test
+    async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
+        async with _read_only_database(a, admin) as (store, _):
+            pass
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+        assert store.refusing_writes is not None  # nothing written since: the refusal stands
+        # A pool session opened in the read-only time is asked about by a new session too (another test's matter).
+        await every_pool_session_opened_now(store.pool, "off")
+        database = psycopg.sql.Identifier(admin.info.dbname)
+        allow = psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}")  # said from another database
+        maintenance = psycopg.conninfo.make_conninfo(pg_dsn, dbname="postgres")
+        async with await psycopg.AsyncConnection.connect(maintenance, autocommit=True) as other:
+            # No new session of the database from now on, a superuser's neither: the question is not asked again.
+            await other.execute(allow.format(database, psycopg.sql.SQL("false")))
+            try:
+                for _ in range(2):
+                    status, lines = await healthz(url)
+                    assert (status, lines[0]) == (200, "ok"), lines
+            finally:
+                await other.execute(allow.format(database, psycopg.sql.SQL("true")))
+        async with _read_only_database(a, admin):  # refused again: asked again
+            status, lines = await healthz(url)
+            assert (status, lines[0].startswith("not deciding: the store refuses writes")) == (503, True), lines
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+
+
 async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_down_since_the_old_leader_found_it_so(
     tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
