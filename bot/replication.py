@@ -81,6 +81,9 @@ def replica_name(environ: Mapping[str, str] | None = None) -> str:
 
 # The leader records its inbound states when they change, and at least this often (seconds).
 INBOUND_REWRITE_SECONDS = 60.0
+# How long before a takeover the previous leadership's rows may have been written to be inherited (see
+# record_inbound): its last rewrite, the takeover's wait, and clocks of replicas a little apart.
+INHERIT_WITHIN_SECONDS = 3 * INBOUND_REWRITE_SECONDS
 
 # How long /healthz waits for the database (every read it makes, together) before it says the store is
 # unreachable.
@@ -264,7 +267,10 @@ class Replication:
             return
         fresh = pid != self._recorded_on
         if fresh:  # before this record's forget_ended drops the previous leadership's rows
-            self.bus.inherit_down(await self.inbound_record.down_before(pid))
+            # A leader rewrites its rows at least every INBOUND_REWRITE_SECONDS: the leadership just before this
+            # one wrote within a few of those before it ended (room for its last rewrite and the takeover).
+            after = time.time() - INHERIT_WITHIN_SECONDS
+            self.bus.inherit_down(await self.inbound_record.down_before(pid, recorded_after=after))
         now = time.time()
         states = self.bus.inbound_states({} if fresh else self._recorded, now)
         same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}
@@ -273,7 +279,7 @@ class Replication:
         # write cannot overwrite them: rows are keyed by their lease session.)
         if not fresh and same and now - self._recorded_at < INBOUND_REWRITE_SECONDS:
             return
-        await self.inbound_record.record(self.replica, pid, states)
+        await self.inbound_record.record(self.replica, pid, states, now)
         if fresh:
             await self.inbound_record.forget_ended()
         self._recorded, self._recorded_on, self._recorded_at = states, pid, now
