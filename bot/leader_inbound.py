@@ -35,7 +35,10 @@ MIGRATIONS: Final = [
                 PRIMARY KEY (platform, replica, lease_pid)
             )""",
         ),
-    )
+    ),
+    # When the row was last written (wall clock): a new leader inherits the "not open since" of the leadership
+    # just before it only, not of one that ended long ago with nobody left to forget its rows (all replicas down).
+    Migration("leader_inbound", 2, ("ALTER TABLE leader_inbound ADD COLUMN recorded REAL NOT NULL DEFAULT 0",)),
 ]
 
 PG_MIGRATIONS: Final = [
@@ -53,13 +56,19 @@ PG_MIGRATIONS: Final = [
                 PRIMARY KEY (platform, replica, lease_pid)
             )""",
         ),
-    )
+    ),
+    PgMigration(
+        "leader_inbound",
+        2,
+        ("ALTER TABLE leader_inbound ADD COLUMN IF NOT EXISTS recorded double precision NOT NULL DEFAULT 0",),
+    ),
 ]
 
 _UPSERT: Final = (
-    "INSERT INTO leader_inbound (platform, replica, lease_pid, state, detail, since) VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO leader_inbound (platform, replica, lease_pid, state, detail, since, recorded)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (platform, replica, lease_pid) DO UPDATE SET state = excluded.state, detail = excluded.detail,"
-    " since = excluded.since"
+    " since = excluded.since, recorded = excluded.recorded"
 )
 # Rows of sessions that ended (PostgreSQL: the leader's store): nobody holds the lease on them any more, and
 # none of them can write again. A live session's rows stay, whoever wrote last.
@@ -70,9 +79,9 @@ class LeaderInboundRecord:
     def __init__(self, conn: StoreConnection) -> None:
         self.tables = tables_of(conn)
 
-    async def record(self, replica: str, lease_pid: int, states: Mapping[str, InboundState]) -> None:
+    async def record(self, replica: str, lease_pid: int, states: Mapping[str, InboundState], now: float) -> None:
         """The leader's inbound state of every platform with a singleton ingress, in one transaction."""
-        rows = [(p, replica, lease_pid, s.state, s.detail, s.since) for p, s in sorted(states.items())]
+        rows = [(p, replica, lease_pid, s.state, s.detail, s.since, now) for p, s in sorted(states.items())]
         await self.tables.run_many(_UPSERT, rows)  # one statement: the rows change together
 
     async def forget_ended(self) -> int:
@@ -93,12 +102,15 @@ class LeaderInboundRecord:
         }
         return states, bool(rows)
 
-    async def down_before(self, lease_pid: int) -> dict[str, float]:
+    async def down_before(self, lease_pid: int, recorded_after: float) -> dict[str, float]:
         """Since when each platform's inbound connection was not open, as the leadership before the session
         ``lease_pid`` last recorded it (the latest change among the other sessions' rows, when that was to "not
-        open"): read by a new leader before its first record forgets those rows."""
+        open"): read by a new leader before its first record forgets those rows. Only rows written after
+        ``recorded_after`` count: rows left by a leadership that ended long before (every replica stopped, none to
+        forget them) told a new leader "not open since last week" of a platform nobody had tried since."""
         rows = await self.tables.all(
-            "SELECT platform, state, since FROM leader_inbound WHERE lease_pid <> ?", (lease_pid,)
+            "SELECT platform, state, since FROM leader_inbound WHERE lease_pid <> ? AND recorded > ?",
+            (lease_pid, recorded_after),
         )
         latest: dict[str, tuple[float, str]] = {}
         for platform, state, since in rows:

@@ -81,6 +81,9 @@ def replica_name(environ: Mapping[str, str] | None = None) -> str:
 
 # The leader records its inbound states when they change, and at least this often (seconds).
 INBOUND_REWRITE_SECONDS = 60.0
+# How long before a takeover the previous leadership's rows may have been written to be inherited (see
+# record_inbound): its last rewrite, the takeover's wait, and clocks of replicas a little apart.
+INHERIT_WITHIN_SECONDS = 3 * INBOUND_REWRITE_SECONDS
 
 # How long /healthz waits for the database (every read it makes, together) before it says the store is
 # unreachable.
@@ -170,6 +173,9 @@ class Replication:
         self._recorded_on: int | None = None  # ... on this lease session
         self._recorded_at = 0.0  # ... at this time
         self._health_reads: set[asyncio.Task[Any]] = set()  # health reads past their bound, still being cancelled
+        # The writer's refusal count that a session opened for the question found outdated (the database took
+        # writes): its next session opens now and takes them, no need to ask again until it is refused again.
+        self._refusals_outdated: int | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -261,7 +267,10 @@ class Replication:
             return
         fresh = pid != self._recorded_on
         if fresh:  # before this record's forget_ended drops the previous leadership's rows
-            self.bus.inherit_down(await self.inbound_record.down_before(pid))
+            # A leader rewrites its rows at least every INBOUND_REWRITE_SECONDS: the leadership just before this
+            # one wrote within a few of those before it ended (room for its last rewrite and the takeover).
+            after = time.time() - INHERIT_WITHIN_SECONDS
+            self.bus.inherit_down(await self.inbound_record.down_before(pid, recorded_after=after))
         now = time.time()
         states = self.bus.inbound_states({} if fresh else self._recorded, now)
         same = {n: s.state for n, s in states.items()} == {n: s.state for n, s in self._recorded.items()}
@@ -270,7 +279,7 @@ class Replication:
         # write cannot overwrite them: rows are keyed by their lease session.)
         if not fresh and same and now - self._recorded_at < INBOUND_REWRITE_SECONDS:
             return
-        await self.inbound_record.record(self.replica, pid, states)
+        await self.inbound_record.record(self.replica, pid, states, now)
         if fresh:
             await self.inbound_record.forget_ended()
         self._recorded, self._recorded_on, self._recorded_at = states, pid, now
@@ -295,8 +304,15 @@ class Replication:
             # writes, and it may refuse while the read pool's take writes (each took the database's default
             # transaction_read_only when it opened). A refusal it met is not the answer for good: it dropped that
             # session, and once the database takes writes again its next one does (read_only asks one opened now).
-            refused = self.store.refusing_writes is not None
-            refuses = await read_only(self.store.pool, self.store.conninfo, writer_refused=refused)
+            # Asked once per refusal: the refusal stands until the writer writes, and a quiet replica asked a
+            # session opened for the question on every /healthz (a monitor's every second) for hours after it.
+            refusals = self.store.writer_refusals
+            refused = self.store.refusing_writes is not None and refusals != self._refusals_outdated
+            refuses = await read_only(
+                self.store.pool, self.store.conninfo, writer_refused=refused, connect_timeout=self.store.connect_timeout
+            )
+            if refused and not refuses:
+                self._refusals_outdated = refusals
             held = await lease_session(self.store.pool, self.lease.key)
             if leader or (held is not None and pid is not None and held[1] == pid):
                 # Its own lock, the grace not yet waited out: read as a follower, its empty record read as a

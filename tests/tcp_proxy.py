@@ -2,7 +2,9 @@
 
 ``cut()`` closes every connection through the proxy and refuses new ones (a replica that lost its network
 to the database: its sessions end, reconnecting fails at once); ``restore()`` lets connections through
-again. Only the replica whose ``store.url`` points here is affected.
+again. ``hold_new()`` lets the connections made keep going and takes new ones without a word (a server that
+accepts TCP but does not answer a startup: its processes stopped, its backlog full). Only the replica whose
+``store.url`` points here is affected.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ class CuttableProxy:
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.cut_off = False
+        self.holding = False
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
@@ -40,10 +43,17 @@ class CuttableProxy:
 
     def restore(self) -> None:
         self.cut_off = False
+        self.holding = False
+
+    def hold_new(self) -> None:
+        self.holding = True
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut_off:
             writer.close()
+            return
+        if self.holding:  # never answered; closed by cut() or stop()
+            self._writers.add(writer)
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)

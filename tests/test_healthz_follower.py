@@ -184,10 +184,10 @@ async def test_a_write_of_a_leader_that_lost_the_lease_landing_late_leaves_the_n
         record = LeaderInboundRecord(store)
         a_pid, b_pid = session_a.info.backend_pid, session_b.info.backend_pid
         opened = {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 100.0)}
-        await record.record("a", a_pid, opened)
-        await record.record("b", b_pid, {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)})
+        await record.record("a", a_pid, opened, 100.0)
+        await record.record("b", b_pid, {"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, 200.0)
         late = {"telegram": InboundState(bus.INBOUND_FAILING, "inbound failing (409)", 150.0)}
-        await record.record("a", a_pid, late)  # the old leader's write, landing last
+        await record.record("a", a_pid, late, 250.0)  # the old leader's write, landing last
 
         assert await record.read("b", b_pid) == ({"telegram": InboundState(bus.INBOUND_OPEN, "serving", 200.0)}, True)
         assert await record.read("a", a_pid) == (late, True)  # kept apart, and never read while b holds the lease
@@ -779,12 +779,50 @@ async def test_a_writer_that_met_a_read_only_database_is_not_503_once_the_databa
         assert (status, lines[0]) == (200, "ok"), lines
 
 
-async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_down_since_the_old_leader_found_it_so(
+async def test_a_writers_old_refusal_is_asked_of_a_new_session_once_not_on_every_healthz(
     tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's refusal stands until its next write: a quiet replica opened a session for the question on
+    every /healthz (a monitor's every second) for as long, and said 503 "refusing writes" when the server
+    could not give it one (full), every write taken. A new refusal is asked about again."""
+    _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
+    monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 3600.0)  # no record written again in the test
+    async with _replica_a_served_and_an_admin(tmp_path, pg_dsn, monkeypatch) as (a, url, admin):
+        async with _read_only_database(a, admin) as (store, _):
+            pass
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+        assert store.refusing_writes is not None  # nothing written since: the refusal stands
+        # A pool session opened in the read-only time is asked about by a new session too (another test's matter).
+        await every_pool_session_opened_now(store.pool, "off")
+        database = psycopg.sql.Identifier(admin.info.dbname)
+        allow = psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS {}")  # said from another database
+        maintenance = psycopg.conninfo.make_conninfo(pg_dsn, dbname="postgres")
+        async with await psycopg.AsyncConnection.connect(maintenance, autocommit=True) as other:
+            # No new session of the database from now on, a superuser's neither: the question is not asked again.
+            await other.execute(allow.format(database, psycopg.sql.SQL("false")))
+            try:
+                for _ in range(2):
+                    status, lines = await healthz(url)
+                    assert (status, lines[0]) == (200, "ok"), lines
+            finally:
+                await other.execute(allow.format(database, psycopg.sql.SQL("true")))
+        async with _read_only_database(a, admin):  # refused again: asked again
+            status, lines = await healthz(url)
+            assert (status, lines[0].startswith("not deciding: the store refuses writes")) == (503, True), lines
+        status, lines = await healthz(url)
+        assert (status, lines[0]) == (200, "ok"), lines
+
+
+@pytest.mark.parametrize("a_record_age", [0.0, 7 * 86400.0], ids=["just-before", "a-week-old"])
+async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_down_since_the_old_leader_found_it_so(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch, a_record_age: float
 ) -> None:
     """Telegram's polling ended on leader a (401) and stayed down; the lease went to b, whose own open met the same
     401. b recorded "not open since" its own failed open: a platform down for an hour across a leader change (a
-    deploy, a restart) read on every replica as down since the change."""
+    deploy, a restart) read on every replica as down since the change. A record last written long before (a
+    leadership that ended a week ago, every replica stopped since, none to forget its rows) is not inherited:
+    b said "not open since last week" of a platform nobody had tried in the meantime."""
     _keys_timing_and_quick_starts(tmp_path, monkeypatch, FAST)
     monkeypatch.setattr(lifecycle, "INGRESS_CHECK_SECONDS", 3600.0)  # nothing opens it again but a new leader
     monkeypatch.setattr(lifecycle, "INBOUND_RECORD_SECONDS", 0.02)
@@ -812,6 +850,11 @@ async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_do
             fakes.telegram.script("getUpdates", *[Fault.server_error(401, "Unauthorized")] * 10_000)
             fakes.telegram.push_message(TG_CHAT, TG_ADMIN, "wakes the long poll; the next one meets the 401")
             await until(lambda: recorded("a", bus.INBOUND_NOT_OPEN))
+            if a_record_age:  # a's record, and what it found, as written that long ago
+                await tables.run(
+                    "UPDATE leader_inbound SET recorded = recorded - ?, since = since - ? WHERE replica = 'a'",
+                    (a_record_age, a_record_age),
+                )
             [(_, first)] = await record("a")
             # b's open is refused before its polling begins: never open in between, as a look could otherwise find it
             fakes.telegram.script("deleteWebhook", *[Fault.server_error(401, "Unauthorized")] * 100)
@@ -819,4 +862,7 @@ async def test_a_new_leader_that_cannot_open_the_connection_either_says_it_is_do
             await until(lambda: _true(b_replication.is_leader))
             await until(lambda: recorded("b", bus.INBOUND_NOT_OPEN))  # b's own open met the 401 too
             [(_, since)] = await record("b")
-            assert since == first
+            if a_record_age:
+                assert since > first + a_record_age  # since b's own failed open, after a's
+            else:
+                assert since == first

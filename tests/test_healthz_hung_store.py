@@ -146,3 +146,24 @@ def _all_waiting(dsn: str, count: int) -> Any:
             return row is not None and row[0] == count
 
     return check
+
+
+async def test_a_replica_stopping_while_a_given_up_health_read_hangs_ends_it_and_loses_no_pool_connection(
+    tmp_path: Path, pg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The given-up read is a task of the replica's that its stop waits for: cancelled a second time there, while
+    psycopg waits for the server to take the first cancel, it ends (psycopg closes the connection, the pool opens
+    its slot again) with the server still stopped, and no task is left running."""
+    async with follower(tmp_path, pg_dsn, monkeypatch) as b:
+        replication = b.replication
+        assert replication is not None
+        pool = replication.store.pool
+        pids = await all_taken(pool)
+        with stopped(pids):
+            health = await replication.health()
+            assert health.problem == f"the store did not answer within {HEALTH_TIMEOUT:g} s"
+            assert health_reads() == 1
+            async with asyncio.timeout(60.0):  # a hang detector, not a measure
+                await replication.stop()
+            assert health_reads() == 0
+        assert len(await all_taken(pool)) == pool.max_size

@@ -135,7 +135,7 @@ class PgTables:
                 yield conn
                 return
         # Asked of a session opened now: the pool's sessions are renewed when the database takes writes again.
-        await read_only(self.store.pool, self.store.conninfo)
+        await read_only(self.store.pool, self.store.conninfo, connect_timeout=self.store.connect_timeout)
         async with self.store.pool.connection() as conn:
             yield conn
 

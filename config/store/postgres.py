@@ -541,6 +541,7 @@ class PgWriter(GroupQueue):
         # (None: none was). Written by the writer thread; /healthz reads it: the read pool's sessions, opened at
         # other moments, may take writes while this one, the only one that writes, refuses them.
         self.refusing_writes: str | None = None
+        self.refusals = 0  # writes refused so (each group's refusal counts once): tells a new refusal from an old
 
     # -- the loop side ---------------------------------------------------------------------------
 
@@ -943,6 +944,7 @@ class PgWriter(GroupQueue):
         if refusal is not None:
             if self.refusing_writes is None:
                 log.error("store.writes_refused", backend="postgresql", error=str(refusal).strip())
+            self.refusals += 1  # first: /healthz that sees the refusal sees it counted
             self.refusing_writes = str(refusal).strip() or type(refusal).__name__
             conn, self._conn = self._conn, None
             if conn is not None:
@@ -1244,6 +1246,11 @@ class PgStore:
         return self._writer.conninfo
 
     @property
+    def connect_timeout(self) -> float:
+        """How long an open of a session of this store may take (the pool's and the writer's bound)."""
+        return self._writer.connect_timeout
+
+    @property
     def writer_pid(self) -> int | None:
         """The server process of the writer's connection (NOTIFYs this process sends carry it)."""
         return self._writer.backend_pid
@@ -1252,6 +1259,11 @@ class PgStore:
     def refusing_writes(self) -> str | None:
         """Why the writer's last writes were refused by a read-only session, until one is taken again."""
         return self._writer.refusing_writes
+
+    @property
+    def writer_refusals(self) -> int:
+        """How many of the writer's groups were refused by a read-only session so far."""
+        return self._writer.refusals
 
     async def one(self, sql: str, params: Iterable[Any] = ()) -> Any:
         await self._writer.caught_up()

@@ -51,14 +51,18 @@ async def _refuses(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, bool]:
     return (bool(row[0]), bool(row[1])) if row else (False, False)
 
 
-async def read_only(pool: AsyncConnectionPool[Any], conninfo: str, *, writer_refused: bool = False) -> bool:
+async def read_only(
+    pool: AsyncConnectionPool[Any], conninfo: str, *, writer_refused: bool = False, connect_timeout: float = 10.0
+) -> bool:
     """Whether the database refuses writes now: a standby, or a read-only default that a session opened now takes.
 
     A pool session that opened while ``default_transaction_read_only`` was on refuses writes for its life: after
     the operator's RESET, /healthz landing on it said "refusing writes" (503) while every write was taken. Its
     answer, and the writer's refusal (``writer_refused``: the writer dropped that session, its next one opens
     now), are checked on a session of ``conninfo`` opened for the question. A pool session found stale so, the
-    pool's sessions are renewed: a write through ``PgTables.transaction()`` takes a pool session too."""
+    pool's sessions are renewed: a write through ``PgTables.transaction()`` takes a pool session too. A session
+    that cannot be opened for the question (a server at max_connections, one that does not answer within
+    ``connect_timeout``) leaves the answer to the sessions at hand."""
     async with pool.connection() as conn:
         standby, session_refuses = await _refuses(conn)
     if standby:
@@ -66,7 +70,19 @@ async def read_only(pool: AsyncConnectionPool[Any], conninfo: str, *, writer_ref
     if not (session_refuses or writer_refused):
         return False
     name = f"{pool.name}-check"
-    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True, application_name=name) as fresh:
+    try:
+        # Bounded as the writer's opens are: psycopg's own default waited 130 s for a server that took the TCP
+        # connection and never answered, and held a write through PgTables.transaction() as long.
+        fresh = await psycopg.AsyncConnection.connect(
+            conninfo, autocommit=True, application_name=name, connect_timeout=max(1, int(connect_timeout))
+        )
+    except psycopg.OperationalError as exc:
+        # One more session than the pool's: a full server refuses it ("too many clients"), and /healthz said
+        # "unreachable", a write failed on it, while the sessions at hand answered. Their answer stands, as
+        # before this question was asked; the pool is not drained on a server that may not give its slots back.
+        log.warning("store.read_only_check_failed", backend="postgresql", pool=pool.name, error=str(exc).strip())
+        return True
+    async with fresh:
         standby, refuses = await _refuses(fresh)
     if session_refuses and not (standby or refuses):
         log.info("store.read_only_sessions_renewed", backend="postgresql", pool=pool.name)
