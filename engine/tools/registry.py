@@ -297,11 +297,13 @@ class ToolRegistry:
                 count_failure("tool_changed")
                 log.warning("tool.definition_changed", tool=name, conversation=ctx.conversation,
                             shown=ctx.definition_hash, now=now)  # fmt: skip
+                checked = "approved (its description, arguments or hints are not what the card showed)"
+                if ctx.approved_hash is None:  # a call no card was needed for: checked when it was made
+                    checked = "made (its description, arguments or hints are not what they were then)"
                 return ToolResult(
                     ok=False,
                     output="",
-                    error=f"refused: {name} changed on its server after its call was approved (its description, "
-                    "arguments or hints are not what the card showed); nothing ran, ask again",
+                    error=f"refused: {name} changed on its server after its call was {checked}; nothing ran, ask again",
                 )
         try:
             args = tool.Args.model_validate(dict(arguments))
