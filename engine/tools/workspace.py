@@ -39,8 +39,8 @@ class ToolContext:
     workspace: Path
     conversation: str
     approved_hash: str | None = None
-    definition_hash: str | None = None
     agent: str = ""  # who calls (files an agent posts are shown under its name)
+    definition_hash: str | None = None
 
     def ensure_workspace(self) -> Path:
         """Create the workspace if needed and return its real path; :class:`PathRefused` when it is a symlink."""
