@@ -543,6 +543,7 @@ class AgentRunner:
         call = ToolCall(call.id, call.name, prepared, call.raw_arguments, call.error)
         notes = (*self.registry.notes(call.name), *self.registry.call_notes(call.name, call.arguments))
         shown = self.registry.definition(call.name)  # the tool as the card will show it
+        shown_digest = self.registry.definition_digest(call.name)  # the card binds it; execute compares it last
         earlier = await self._may_have_run(call, ctx)
         if earlier is not None:
             # The same call started here before and never finished: it may have run. A remembered approval must
@@ -558,7 +559,7 @@ class AgentRunner:
             skip_rules=earlier is not None,
             started_by=ctx.starter,
             defined_since=self.registry.defined_since(call.name),
-            definition_hash=self.registry.definition_digest(call.name),
+            definition_hash=shown_digest,
         )
         if not verdict.allowed:
             result.tool_runs.append(
@@ -567,7 +568,8 @@ class AgentRunner:
             return f"Not run: {verdict.reason}" + denial_reason(verdict)
         if self.registry.definition(call.name) != shown:
             # Its server listed it again while the call waited (a new description, schema or default): the person
-            # approved a call of the tool as it was, not as it is now.
+            # approved a call of the tool as it was, not as it is now. Checked here to refuse before a row is
+            # written; the store is awaited below, so execute compares the digest again where nothing can change.
             why = (
                 f"{call.name} changed on its server while the call waited for approval (its description, arguments "
                 "or hints are not what the card showed); nothing ran, ask again"
@@ -584,6 +586,7 @@ class AgentRunner:
             conversation=ctx.conversation,
             approved_hash=verdict.args_hash,
             agent=ctx.agent.name,
+            definition_hash=shown_digest,
         )
         ran = Ran(call.name, self.registry.changes_state(call.name) or self.policy.level(call.name) is DANGEROUS)
         # Here, after the approval (a wait of minutes), just before the row: what the turn runs for may have been

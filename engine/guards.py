@@ -33,7 +33,6 @@ QUIET_HANDLERS: Mapping[str, str] = {
     "platform that cannot show it is told again in a few seconds, and the turn goes on",
     "conversation.py:Conversations.working:suppress(asyncio.CancelledError)": _CANCELLED,
     "conversation.py:Conversations._save_files:FileTooLarge": "the sender is told the bound in the chat",
-    "tools/mcp_tools.py:MCPConnection.stop:suppress(asyncio.CancelledError)": _CANCELLED,
     "tools/mcp_tools.py:MCPConnection.call:TimeoutError": "_fail logs the timeout and restarts the server; the call's "
     "result says it may have acted",
     "tools/mcp_tools.py:MCPConnection.call:Exception": "_fail logs the failure and restarts the server; a protocol "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,6 +102,45 @@ async def test_a_tool_redefined_on_its_server_while_its_call_waits_for_approval_
         await telegram.wait_until(lambda: bool(seen.tool_messages), timeout=20)
         assert "changed on its server while the call waited for approval" in seen.tool_messages[0]
         assert calls_logged(log) == []  # create_issue never ran
+
+
+async def test_a_tool_redefined_after_its_approval_is_checked_and_before_it_is_sent_does_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent compared the tool with its card, then awaited the store (the step watch, the execution's row) and
+    # the registry looked the tool up again: a relist landing in that window ran a definition nobody approved.
+    seen = Seen()
+    async with kazma_with_tracker(tmp_path, [call("tracker__create_issue", ISSUE), seen.answer]) as (
+        app,
+        telegram,
+        log,
+    ):
+        assert app.mcp is not None
+        connection = app.mcp.connections["tracker"]
+        record = app.conversations.runner.executions
+        assert record is not None
+        recording, release = asyncio.Event(), asyncio.Event()
+        real_started = record.started
+
+        async def held_started(**fields: Any) -> str:
+            # The window held open: the execution's row waits here until the server has redefined the tool.
+            recording.set()
+            await release.wait()
+            return await real_started(**fields)
+
+        monkeypatch.setattr(record, "started", held_started)
+        telegram.push_message(TG_CHAT, 42, "file the bug", username="alice")
+        await telegram.wait_until(lambda: bool(cards(telegram)), timeout=20)
+        before = connection.tools["create_issue"]
+        await press(telegram, "a")
+        await asyncio.wait_for(recording.wait(), timeout=20)
+        assert (await connection.call("redefine", {})).ok
+        await telegram.wait_until(lambda: connection.tools["create_issue"] != before, timeout=20)
+        release.set()
+        await telegram.wait_until(lambda: bool(seen.tool_messages), timeout=20)
+        assert "changed on its server" in seen.tool_messages[0]
+        assert calls_logged(log) == []  # neither definition of create_issue ran
+        assert executions_of(tmp_path, "tracker/create_issue") == ["failed"]  # the refusal is on its row
 
 
 async def test_read_only_hint_never_lowers_the_level(tmp_path: Path) -> None:

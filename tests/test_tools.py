@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from kazma.approvals.hashing import args_hash
 from kazma.config.models import DangerLevel
 from kazma.engine.fence import fence_untrusted
 from kazma.engine.tools.builtin import default_registry
@@ -115,6 +116,48 @@ class CrashingTool(Tool[NoArgs]):
 
     async def run(self, args: NoArgs, ctx: ToolContext) -> ToolResult:
         raise RuntimeError("boom inside the tool")
+
+
+class ListedTool(Tool[NoArgs]):
+    """A tool whose definition its source may change (as an MCP server's), counting its runs."""
+
+    name = "remote/act"
+    description = "Acts."
+    default_level = DangerLevel.DANGEROUS
+    changes_state = True
+    Args = NoArgs
+
+    def __init__(self, said: str) -> None:
+        self.said = said
+        self.runs = 0
+
+    def definition(self) -> object:
+        return {"description": self.said}
+
+    async def run(self, args: NoArgs, ctx: ToolContext) -> ToolResult:
+        self.runs += 1
+        return ToolResult(ok=True, output=self.said)
+
+
+async def test_a_tool_defined_otherwise_than_its_call_was_checked_against_does_not_run(tmp_path: Path) -> None:
+    """The registry runs the tool it finds when it is called: one listed again since the caller checked it (its
+    card) ran as listed now. It runs only when its definition still hashes to what the call was checked with."""
+    registry = ToolRegistry([ListedTool("files an issue privately")])
+    shown = registry.definition_digest("remote/act")
+    assert shown is not None
+    relisted = ListedTool("files an issue publicly")
+    registry.put(relisted)
+    for approved in (args_hash({}), None):
+        ctx = ToolContext(workspace=tmp_path, conversation="c", approved_hash=approved, definition_hash=shown)
+        result = await registry.execute("remote/act", {}, ctx)
+        assert not result.ok
+        assert "remote/act changed on its server after its call was" in (result.error or "")
+        assert "nothing ran" in (result.error or "")
+    assert relisted.runs == 0
+    now = ToolContext(workspace=tmp_path, conversation="c", approved_hash=args_hash({}),
+                      definition_hash=registry.definition_digest("remote/act"))  # fmt: skip
+    assert (await registry.execute("remote/act", {}, now)).ok
+    assert relisted.runs == 1
 
 
 async def test_missing_argument_is_an_error_result(registry: ToolRegistry, ctx: ToolContext) -> None:

@@ -114,6 +114,12 @@ class MCPDefinition:
     server: dict[str, Any]
 
 
+# stop(): how long each cancel of a supervisor is waited for (its server's own exit is bounded at a few seconds),
+# and how many are sent before it is given up on.
+_STOP_WAIT_S = 15.0
+_STOP_ATTEMPTS = 3
+
+
 class ServerUnavailable(Exception):
     """The server is not connected now (starting, crashed, restarting)."""
 
@@ -145,25 +151,46 @@ class MCPConnection:
         self._relist = asyncio.Event()
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Set by stop(): the supervisor's loops end on it, not only on the cancel, which can be lost on the way
+        # (asyncio merges a cancel landing while an anyio scope's own is pending into that one, which the scope
+        # then swallows as its own).
+        self._stopping = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._stopping.clear()
         self._task = asyncio.create_task(self._supervise(), name=f"kazma-mcp-{self.name}")
 
     async def wait_ready(self, seconds: float) -> bool:
         return await until_set(self._ready, seconds)
 
     async def stop(self) -> None:
+        """End the supervisor and with it the server. Its loops see ``_stopping`` (and a connection being watched
+        ends at once), so a lost cancel costs at most one ping; the cancel is repeated, and a supervisor still
+        running after every bounded wait is left running, logged and counted, rather than hang the shutdown."""
+        self._stopping.set()
+        self._broken.set()  # _watch, waiting between pings, returns now
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        for _attempt in range(_STOP_ATTEMPTS):
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Waited for, not awaited: awaiting the task would cancel it again when this stop is cancelled.
+            done, _ = await asyncio.wait({task}, timeout=_STOP_WAIT_S)
+            if done:
+                break
+        else:
+            count_failure("mcp_stop", self.name)
+            log.error("mcp.stop_stuck", server=self.name, cancelling=task.cancelling(), waited_s=_STOP_WAIT_S)
+            return
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:  # retrieved, so asyncio does not report it unretrieved at exit
+            log.warning("mcp.supervisor_failed", server=self.name, error=_describe(failure))
 
     async def _supervise(self) -> None:
         failures = 0
-        while True:
+        while not self._stopping.is_set():
             self._broken.clear()
             stderr = StderrTail()
             try:
@@ -187,6 +214,8 @@ class MCPConnection:
             finally:
                 self.session = None
                 self._ready.clear()
+            if self._stopping.is_set():
+                return
             if self.problem is None:
                 self.problem = f"MCP server {self.name!r} is restarting"
             delay = self.backoff.delay(failures)
@@ -196,7 +225,7 @@ class MCPConnection:
 
     async def _watch(self, session: ClientSession) -> None:
         """Until the connection breaks: re-list on list-changed, ping between."""
-        while not self._broken.is_set():
+        while not self._broken.is_set() and not self._stopping.is_set():
             broken = asyncio.create_task(self._broken.wait())
             relist = asyncio.create_task(self._relist.wait())
             try:

@@ -284,10 +284,27 @@ class ToolRegistry:
         """Validate and run one call. Problems with the call or inside the tool become error results.
 
         With ``ctx.approved_hash`` (a person approved the call), what is about to run is hashed again against it
-        first: arguments changed since the card, or a default it did not show, do not run."""
+        first: arguments changed since the card, or a default it did not show, do not run. With
+        ``ctx.definition_hash``, the tool found here is compared with the definition its card showed: its server
+        may have listed it again since (list-changed, a reconnect) while the caller awaited the store, and from
+        here to the send nothing is awaited, so the tool compared is the tool that runs."""
         tool = self._tools.get(name)
         if tool is None:
             return ToolResult(ok=False, output="", error=f"unknown tool {name!r}; known tools: {self._known()}")
+        if ctx.definition_hash is not None:
+            now = definition_digest(tool)
+            if now != ctx.definition_hash:
+                count_failure("tool_changed")
+                log.warning("tool.definition_changed", tool=name, conversation=ctx.conversation,
+                            shown=ctx.definition_hash, now=now)  # fmt: skip
+                checked = "approved (its description, arguments or hints are not what the card showed)"
+                if ctx.approved_hash is None:  # a call no card was needed for: checked when it was made
+                    checked = "made (its description, arguments or hints are not what they were then)"
+                return ToolResult(
+                    ok=False,
+                    output="",
+                    error=f"refused: {name} changed on its server after its call was {checked}; nothing ran, ask again",
+                )
         try:
             args = tool.Args.model_validate(dict(arguments))
         except (TypeError, ValueError) as exc:

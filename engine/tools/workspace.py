@@ -31,12 +31,16 @@ class ToolContext:
     ``approved_hash``: the argument hash a person approved for this call (None when it needed no approval); the
     registry hashes what is about to run against it before any tool runs, and a tool that sends its arguments
     elsewhere (MCP) re-hashes the very payload it sends too.
+
+    ``definition_hash``: the digest of the tool's definition as its card showed it (None: a tool fixed in Kazma's
+    code); the registry compares the tool it is about to run with it, with nothing awaited between the two.
     """
 
     workspace: Path
     conversation: str
     approved_hash: str | None = None
     agent: str = ""  # who calls (files an agent posts are shown under its name)
+    definition_hash: str | None = None
 
     def ensure_workspace(self) -> Path:
         """Create the workspace if needed and return its real path; :class:`PathRefused` when it is a symlink."""
