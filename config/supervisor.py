@@ -27,6 +27,9 @@ log = structlog.get_logger("kazma.tasks")
 
 T = TypeVar("T")
 
+# A task still running this long after its cancel, at a stop, is cancelled again (seconds; see Supervisor.stop).
+RECANCEL_AFTER = 2.0
+
 
 class Supervisor:
     """The background tasks of one owner (a platform adapter, the conversations, the swarm …).
@@ -136,6 +139,10 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         until = None if patience is None else loop.time() + patience
         # Past the grace: what is still running is cancelled, and so is what a cancelled task starts as it ends.
+        # One still running RECANCEL_AFTER after its cancel is cancelled again: a cancel can be lost on the way
+        # (Python 3.11's asyncio.wait_for, which psycopg_pool waits for a connection with, returns the result when
+        # the cancel meets it, and the task goes on), and a task that went on to its loop's sleep held the stop
+        # forever — an app's stop hung with its sweep "cancelling" in its sleep.
         while late:
             for task in late - cancelled:
                 task.cancel()
@@ -143,7 +150,9 @@ class Supervisor:
             left = None if until is None else until - loop.time()
             if left is not None and left <= 0:
                 break
-            await asyncio.wait(late, timeout=left)
+            _, running = await asyncio.wait(late, timeout=RECANCEL_AFTER if left is None else min(left, RECANCEL_AFTER))
+            for task in running:
+                task.cancel()
             late = self._others()
         return cancelled
 

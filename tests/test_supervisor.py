@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+import sys
 from typing import Any
 
 import pytest
@@ -140,6 +141,29 @@ async def test_stop_with_no_grace_cancels_everything_and_waits_for_it() -> None:
     await asyncio.sleep(0)
     assert len(await asyncio.wait_for(tasks.stop(), WAIT)) == 5
     assert sorted(cleaned) == [0, 1, 2, 3, 4]
+
+
+async def test_stop_ends_a_task_that_lost_its_cancel_and_went_on() -> None:
+    """Python 3.11's asyncio.wait_for returns its result when a cancel meets it (psycopg_pool waits for a connection
+    with it): the task goes on as if never cancelled, and a stop that cancelled each task once waited for it
+    forever (an app's stop hung, its sweep asleep in its loop, "cancelling")."""
+    tasks = Supervisor("test_task_lost_cancel")
+    answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    went_on: list[bool] = []
+
+    async def worker() -> None:
+        await asyncio.wait_for(answer, WAIT)
+        went_on.append(True)
+        await asyncio.Event().wait()  # the loop's sleep: only a cancel ends it
+
+    task = tasks.spawn(worker(), name="loses-its-cancel")
+    await asyncio.sleep(0)  # the worker waits in wait_for
+    answer.set_result(None)  # the answer and the stop's cancel meet in the same turn
+    async with asyncio.timeout(WAIT):
+        assert await tasks.stop() == {task}
+    assert task.cancelled()
+    if sys.version_info < (3, 12):  # the cancel was lost once, as 3.11 loses it
+        assert went_on == [True]
 
 
 async def test_drain_waits_for_work_started_while_it_waits() -> None:
