@@ -108,7 +108,8 @@ class SwarmRig(Rig):
         return all(told(texts, task_id, status, error) for task_id, status, error in self.tasks())
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)  # a worktree's shim first
+        env = {**os.environ, "PYTHONPATH": path, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
         if self.store == "postgresql":
             env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
             env["KAZMA_REPLICA"] = REPLICA
