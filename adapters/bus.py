@@ -248,6 +248,11 @@ class _Worker:
     # of posts and its scan of edits try nothing before then, so one call a backoff asks whether the token is good
     # again. Held here, not in the shared rows: another replica's token may work (a rolling token change).
     held_until: float | None = None
+    # Its passes over the store: how many began, and the last one that ended whole (no failure, nothing new queued
+    # meanwhile), so :meth:`FanOutBus.caught_up` can tell a pass begun after its call from one already under way.
+    began: int = 0
+    whole: int = 0
+    passed: asyncio.Event = field(default_factory=asyncio.Event)  # set as each pass ends whole
 
 
 def _retry_by(worker: _Worker, at: float) -> None:
@@ -727,6 +732,20 @@ class FanOutBus:
             worker.scan_at = 0.0
             worker.kick.set()
 
+    async def caught_up(self) -> None:
+        """Return once every started platform's worker has made a whole pass begun after this call: each card post
+        and edit the store held due when it was called has been tried (made, or put off by its platform's failure).
+        A restart says it has recovered from then on; a platform that never started is not waited for."""
+        marks = {name: worker.began for name, worker in self._workers.items() if name in self._started}
+        for worker in self._workers.values():  # a scan of its own, whatever else asked for one
+            worker.scan_at = 0.0
+            worker.kick.set()
+        for name, mark in marks.items():
+            worker = self._workers[name]
+            while worker.whole <= mark:
+                worker.passed.clear()
+                await worker.passed.wait()
+
     async def _decided(
         self, request_id: str, known: tuple[ApprovalRequest, list[PostedCard]] | None = None
     ) -> _Decided:
@@ -857,6 +876,8 @@ class FanOutBus:
         name = worker.adapter.name
         while not self._stopping:
             worker.kick.clear()
+            worker.began += 1
+            number = worker.began
             wake_at: float | None = None
             try:
                 await self._settle_requested(worker)
@@ -876,6 +897,9 @@ class FanOutBus:
                 if scan_failed is not None:
                     raise scan_failed
                 wake_at = await self._next_due(worker)
+                if not worker.kick.is_set():  # else its drain may have stopped short to read the queue again
+                    worker.whole = number
+                    worker.passed.set()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the store hiccuped: keep the worker alive and try again

@@ -146,7 +146,7 @@ class Lifecycle(ABC):
             await serving()
         await self._tell(recovery)
         await self.executor.perform(tell_lead)
-        self._tasks.spawn(self._end_orphans(orphans), name="kazma-orphans")  # then the sweeps
+        self._tasks.spawn(self._recovered(orphans), name="kazma-orphans")  # then the sweeps
         store_path = self.loaded.config.store.path
         if str(store_path) != ":memory:" and store_path.exists():
             self.store_watch = StoreWatch(store_path, self._store_lost)
@@ -182,8 +182,7 @@ class Lifecycle(ABC):
         if serving is not None:
             await serving()
         self._serving.set()
-        self._tasks.spawn(self._say(*told), name="kazma-recovery-notices")
-        self._tasks.spawn(self._end_orphans(orphans, sweep=False), name="kazma-orphans")  # the leader sweeps
+        self._tasks.spawn(self._recovered(orphans, told, sweep=False), name="kazma-orphans")  # the leader sweeps
         log.info("app.started", platforms=sorted(self.bus.adapters), store="postgresql", replica=self.replica)
 
     async def lead(self) -> None:
@@ -279,6 +278,22 @@ class Lifecycle(ABC):
         except Exception as exc:  # they still read "started, not finished"; the next start marks them
             count_failure("execution_record")
             log.warning("app.executions_unmarked", error=str(exc))
+
+    async def _recovered(
+        self, orphans: Orphans, told: tuple[Recovery, list[Action]] | None = None, *, sweep: bool = True
+    ) -> None:
+        """End what the previous life left that the start put off (its orphans; among replicas its notices too, side
+        by side), wait until every card post and edit then due has been tried (the orphans' edits, the posts and
+        edits the previous life queued), then say ``app.recovered``: from that line on an operator (or a test)
+        reads the restart's own ending of its past, not a moment in the middle of it."""
+        found = len(orphans)
+        work = [self._end_orphans(orphans, sweep=sweep)]
+        if told is not None:
+            work.append(self._say(*told))
+        await asyncio.gather(*work)
+        if isinstance(self.bus, FanOutBus):
+            await self.bus.caught_up()
+        log.info("app.recovered", orphans=found, cancelled=len(orphans.cancelled))
 
     async def _end_orphans(self, orphans: Orphans, *, sweep: bool = True) -> None:
         """Cancel the orphans the start fenced, a batch at a time, each batch's cards edited as it commits;

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from kazma.adapters.bus import FanOutBus
+from kazma.adapters.contract import CardRef
 from kazma.adapters.web.adapter import WebAdapter
 from kazma.approvals import ApprovalService, ApprovalStore
-from kazma.approvals.card import button_data
-from kazma.approvals.model import Decision, PressVerdict, Status
+from kazma.approvals.card import ApprovalCard, button_data
+from kazma.approvals.model import Decision, Outcome, PressVerdict, Status
 from kazma.approvals.orphans import BATCH, Orphans
 from kazma.bot.app import build_app
 from kazma.bot.store import open_store
@@ -141,3 +145,67 @@ approvals: {{deadline_seconds: 600, approvers: ["telegram:111"]}}
     finally:
         go_on.set()
         await app.stop()
+
+
+class _HeldEdits(WebAdapter):
+    """The console, whose card edits wait for the test: an edit under way is one the restart has not made yet."""
+
+    def __init__(self, log: list[MutableMapping[str, Any]]) -> None:
+        super().__init__()
+        self.log = log
+        self.editing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def settle_card(self, ref: CardRef, card: ApprovalCard, outcome: Outcome) -> None:
+        self.editing.set()
+        await self.release.wait()
+        await super().settle_card(ref, card, outcome)
+        self.log.append({"event": "test.card_edited", "request_id": card.request_id})
+
+
+async def test_a_restart_says_it_recovered_only_once_its_orphans_cards_are_edited_and_their_conversations_told(
+    tmp_path: Path,
+) -> None:
+    """``app.recovered`` is the line a restart's watcher waits for (an operator; the chaos cells, which looked for a
+    card for eight seconds after each restart instead): it must come after the orphans ended, their conversations
+    were told and their cards were edited, never in the middle of it."""
+    loaded = load_config_text(
+        f"""
+store: {{path: '{tmp_path / "state" / "k.db"}'}}
+approvals: {{deadline_seconds: 600, approvers: ["telegram:111"]}}
+""",
+        environ={},
+    )
+    conn = await open_store(loaded.config)
+    try:  # a process died with two requests pending, the first one's card out on the console
+        dead = ApprovalService(ApprovalStore(conn), loaded.config)
+        ids = [
+            (await dead.open("shell", {"command": f"rm /srv/{n}"}, "agent:builder", "web:console")).id for n in (1, 2)
+        ]
+        await dead.store.record_card(ids[0], "web", "console", "1")
+    finally:
+        await conn.close()
+    with capture_logs() as logs:
+        web = _HeldEdits(logs)
+        app = await build_app(loaded, adapters=[web], provider=ScriptedProvider([]), workspace_root=tmp_path / "ws")
+        await app.start()
+        try:
+            await asyncio.wait_for(web.editing.wait(), 30)  # the orphan's card is being edited, not yet done
+            assert "app.recovered" not in [e["event"] for e in logs]
+            web.release.set()
+            async with asyncio.timeout(30):
+                while "app.recovered" not in [e["event"] for e in logs]:
+                    await asyncio.sleep(0.02)
+            events = [e["event"] for e in logs]
+            assert events.index("test.card_edited") < events.index("app.recovered")
+            recovered = next(e for e in logs if e["event"] == "app.recovered")
+            assert (recovered["orphans"], recovered["cancelled"]) == (2, 2)
+            told = [m.text for m in web.messages("console") if "was cancelled" in m.text]
+            for request_id in ids:
+                row = await app.service.store.get(request_id)
+                assert row is not None
+                assert row.status is Status.CANCELLED
+                assert sum(request_id in text for text in told) == 1, request_id
+        finally:
+            web.release.set()
+            await app.stop()

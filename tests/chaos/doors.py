@@ -22,7 +22,6 @@ import httpx
 
 from tests.chaos.checker import card_violations, facts, rows
 from tests.chaos.rig import (
-    RESTART_SECONDS,
     STEP_SECONDS,
     TG_ADMIN,
     TG_CHAT,
@@ -139,9 +138,14 @@ async def _drive_api(s: Rig, proc: asyncio.subprocess.Process, h: History, first
         if h.request_id is None:
             # refused with a clear error (4xx): the client's ending, nothing to wait for; else dead or stuck
             return proc.returncode is None and h.error is not None and h.answers[-1][:1] == "4"
-        # the person approves on Telegram (a card still live after a restart is pressed as well)
-        seconds = STEP_SECONDS if first else RESTART_SECONDS
-        await _until(lambda: bool(s.tg_live()), proc, seconds)
+        # the person approves on Telegram (a card still live after a restart is pressed as well): a request still
+        # pending shows one, and the restart has ended by now what its previous life left pending
+        request = h.request_id
+
+        def pending() -> bool:
+            return (request,) in rows(h, "SELECT id FROM approval_requests WHERE status = 'pending'")
+
+        await _until(lambda: bool(s.tg_live()) or not pending(), proc, STEP_SECONDS)
         if s.tg_live():
             s.press()
             h.presses += 1

@@ -35,6 +35,7 @@ from tests.chaos.rig import (
     RigError,
     _connected,
     _drive_approval,
+    _recovered,
     _stop,
     _until,
     fakes,
@@ -106,9 +107,11 @@ async def _run_takeover(tmp: Path, cell: Cell, dsn: str | None) -> History:
                 h.hung = True
                 await _stop(b, signal.SIGKILL)
             if h.died or h.hung:
+                recovered = s.recovered()
                 b = await s.start("", replica=B)  # as an operator would: B again, without the failpoint
                 if not await _connected(s, b, polls, identifies, started):
                     raise RigError(f"replica B, restarted, never came up leading: {s.log_tail()}")
+                await _recovered(s, b, recovered)
                 await _drive_approval(s, b, h, False)
             # what A left is judged once A has been missing longer than the lease's takeover bound: the leader
             # says then, on every card, what became of the call (or the call ran); wait for it, bounded

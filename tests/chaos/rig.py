@@ -37,7 +37,10 @@ DONE = "Done: the marker is written."
 MARKER = "marker.txt"
 STEP_SECONDS = 30.0  # the longest any step of the scenario may take before the cell calls the process hung
 REPLICA = "chaos-a"  # on PostgreSQL: the replica's name, the same after a restart
-RESTART_SECONDS = 8.0  # after a restart: how long a card still live (or posted again) is looked for
+# A restarted process says ``app.recovered`` once it has ended what its previous life left (orphans cancelled,
+# notices told, every card post and edit then due tried): the cell looks at the cards from then on. Not saying it
+# by then is the cell's failure (a recovery that never ends), not a bound the cell expects to wait out.
+RECOVER_SECONDS = 2 * STEP_SECONDS
 STOP_SECONDS = 60.0  # a process asked to stop and not ended by then is killed (it did not stop cleanly)
 
 
@@ -125,7 +128,10 @@ platforms:
         return path
 
     async def start(self, failpoints: str, *, replica: str = REPLICA) -> asyncio.subprocess.Process:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
+        # A PYTHONPATH already set comes first: a worktree's import shim is then what ``kazma run`` runs (else the
+        # editable install's checkout ran, not the code under test).
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+        env = {**os.environ, "PYTHONPATH": path, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
         if self.store == "postgresql":
             # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
             # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends
@@ -155,6 +161,10 @@ platforms:
     def started(self) -> int:
         """How many times a process said ``app.started`` in the log (appended by every process of the cell)."""
         return self.log.read_text(errors="replace").count('"event": "app.started"') if self.log.exists() else 0
+
+    def recovered(self) -> int:
+        """How many times a process said ``app.recovered``: it ended what its previous life left."""
+        return self.log.read_text(errors="replace").count('"event": "app.recovered"') if self.log.exists() else 0
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else "(no log)"
@@ -197,6 +207,14 @@ async def _connected(s: Rig, proc: asyncio.subprocess.Process, polls: int, ident
     )
 
 
+async def _recovered(s: Rig, proc: asyncio.subprocess.Process, before: int) -> None:
+    """Wait for ``proc`` (restarted) to say it ended what its previous life left: one more ``app.recovered`` than
+    ``before`` (the count before it started). Never said: the cell fails."""
+    if not await _until(lambda: s.recovered() > before, proc, RECOVER_SECONDS):
+        await _stop(proc, signal.SIGKILL)
+        raise RigError(f"the restarted kazma run never said it recovered (app.recovered): {s.log_tail()}")
+
+
 async def _stop(proc: asyncio.subprocess.Process, sig: signal.Signals) -> bool:
     """Stop ``proc`` with ``sig``; False when it had to be killed after STOP_SECONDS (it did not stop cleanly)."""
     if proc.returncode is None:
@@ -225,10 +243,9 @@ async def _drive_approval(s: Rig, proc: asyncio.subprocess.Process, h: History, 
     """The scenario's steps on ``proc``; True when it reached its end (the model's answer, cards settled)."""
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
-    # a card to press (after a restart: one still live, or posted by the new process; usually none, the request
-    # ended at the restart, and its cards settle)
-    seconds = STEP_SECONDS if ask else RESTART_SECONDS
-    if not await _until(lambda: bool(s.tg_live()) or s.done(), proc, seconds) and ask:
+    # a card to press (after a restart, which has recovered by now: one still live, or posted again by the new
+    # process; usually none, the request ended at the restart and its cards are settled)
+    if ask and not await _until(lambda: bool(s.tg_live()) or s.done(), proc, STEP_SECONDS):
         return False  # asked, and within the bound neither a card nor an answer: stuck
     if s.tg_live() and not s.done():
         s.press()
@@ -265,11 +282,12 @@ async def run_restarting(s: Rig, h: History, spec: str, drive: Drive) -> None:
     if h.died or h.hung:
         h.restarts = 1
         polls, identifies = len(s.telegram.calls_to("getUpdates")), len(s.discord.identifies)
-        started = s.started()
+        started, recovered = s.started(), s.recovered()
         second = await s.start("")
         if not await _connected(s, second, polls, identifies, started):
             await _stop(second, signal.SIGKILL)
             raise RigError(f"the restarted kazma run never came up: {s.log_tail()}")
+        await _recovered(s, second, recovered)
         await drive(s, second, h, False)
         h.clean_exit = await _stop(second, signal.SIGTERM) and second.returncode == 0
     h.fired = '"failpoint.fired"' in s.log.read_text(errors="replace")

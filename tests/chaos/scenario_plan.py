@@ -26,7 +26,6 @@ import psycopg
 from kazma.config import load_config_text
 from kazma.engine.scenario import agent_prompts
 from tests.chaos.rig import (
-    RESTART_SECONDS,
     STEP_SECONDS,
     TG_ADMIN,
     TG_CHAT,
@@ -169,7 +168,7 @@ async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
     loop = asyncio.get_running_loop()
-    end = loop.time() + (STEP_SECONDS * 3 if ask else RESTART_SECONDS + STEP_SECONDS * 2)
+    end = loop.time() + (STEP_SECONDS * 3 if ask else STEP_SECONDS * 2)  # a restart has recovered by now
     progress = loop.time()
     while loop.time() < end and proc.returncode is None:
         for question in s.open_questions(restarted=not ask):

@@ -28,7 +28,6 @@ from kazma.config import load_config_text
 from tests.audit_support import KEY_ENV
 from tests.chaos.rig import (
     REPLICA,
-    RESTART_SECONDS,
     STEP_SECONDS,
     TG_ADMIN,
     TG_CHAT,
@@ -109,7 +108,8 @@ class SwarmRig(Rig):
         return all(told(texts, task_id, status, error) for task_id, status, error in self.tasks())
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)  # a worktree's shim first
+        env = {**os.environ, "PYTHONPATH": path, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
         if self.store == "postgresql":
             env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
             env["KAZMA_REPLICA"] = REPLICA
@@ -158,9 +158,9 @@ async def _drive(s: Rig, proc: asyncio.subprocess.Process, h: History, ask: bool
     assert isinstance(s, SwarmRig)
     if ask:
         s.telegram.push_message(TG_CHAT, TG_ADMIN, ASK, username="ops")
-    seconds = STEP_SECONDS if ask else RESTART_SECONDS
-    # a checkpoint card to press (after a restart: a paused task's card, still live), or the task's end
-    if not await _until(lambda: bool(s.tg_live()) or s.ended(), proc, seconds) and ask:
+    # a checkpoint card to press (after a restart, which has recovered by now: a paused task's card, still live or
+    # posted again), or the task's end
+    if ask and not await _until(lambda: bool(s.tg_live()) or s.ended(), proc, STEP_SECONDS):
         return False  # asked, and within the bound neither a card nor an ending: stuck (not a second bound more)
     if s.tg_live() and not s.ended():
         s.press()
