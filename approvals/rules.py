@@ -26,7 +26,7 @@ from kazma.approvals.approval_checks import approval_problem, decided_among
 from kazma.approvals.chain import undecodable
 from kazma.approvals.model import ApprovalRequest
 from kazma.approvals.seal import FORGED, KEY_UNKNOWN, RuleFields, SealProblem, rule_seal_problem, seal_rule
-from kazma.approvals.store import IDS_PER_QUERY, UnreadableRequest
+from kazma.approvals.store import UnreadableRequest
 from kazma.config.address import Address, AddressError
 from kazma.config.keyring import Keyring
 from kazma.config.limits import MAX_REMEMBER_SECONDS
@@ -307,23 +307,18 @@ class RuleStore:
         """Each rule's ``rule_created`` and first ``rule_revoked`` event seq in ``store``'s audit log (None: none),
         found by their requests (the rule's id begins each one's detail)."""
         found: dict[str, tuple[int | None, int | None]] = {rule.id: (None, None) for rule in rules}
-        requests = sorted({rule.request_id for rule in rules})
-        for start in range(0, len(requests), IDS_PER_QUERY):
-            part = requests[start : start + IDS_PER_QUERY]
-            for seq, event, detail in await store.audit_rows(
-                "seq, event, detail",
-                f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))})"
-                " AND event IN ('rule_created', 'rule_revoked') ORDER BY seq",
-                part,
-            ):
-                words = detail.split(maxsplit=1) if isinstance(detail, str) else []
-                if not words or words[0] not in found:
-                    continue
-                created, revoked = found[words[0]]
-                if event == "rule_created" and created is None:
-                    found[words[0]] = (int(seq), revoked)
-                elif event == "rule_revoked" and revoked is None:
-                    found[words[0]] = (created, int(seq))
+        requests = {rule.request_id for rule in rules}
+        async for seq, event, detail in store.audit_rows_of(
+            "seq, event, detail", requests, ("rule_created", "rule_revoked")
+        ):
+            words = detail.split(maxsplit=1) if isinstance(detail, str) else []
+            if not words or words[0] not in found:
+                continue
+            created, revoked = found[words[0]]
+            if event == "rule_created" and created is None:
+                found[words[0]] = (int(seq), revoked)
+            elif event == "rule_revoked" and revoked is None:
+                found[words[0]] = (created, int(seq))
         return found
 
     async def list(self, *, active_only: bool = True, limit: int = 100) -> list[Rule]:

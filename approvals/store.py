@@ -17,7 +17,7 @@ import json
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -1445,17 +1445,11 @@ class ApprovalStore:
         # A finished row whose log has another ending event than its own: the row is what changed, not the log.
         finished = sorted({str(r[0]) for r in rows[:limit] if r[2] != Status.PENDING.value})
         ending: dict[str, RecordedEnding] = {}
-        kinds = ", ".join("?" * len(DECISION_EVENTS))
-        for start in range(0, len(finished), IDS_PER_QUERY):
-            part = finished[start : start + IDS_PER_QUERY]
-            # Read as verify reads the events (audit_rows): a text not UTF-8 in one is shown, never a stop.
-            for seq, request_id, event, actor, detail in await self.audit_rows(
-                "seq, request_id, event, actor, detail",
-                f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({kinds})"
-                " ORDER BY seq",
-                (*part, *DECISION_EVENTS),
-            ):
-                ending.setdefault(str(request_id), RecordedEnding(int(seq), str(event), actor, detail))
+        # Read as verify reads the events (audit_rows): a text not UTF-8 in one is shown, never a stop.
+        async for seq, request_id, event, actor, detail in self.audit_rows_of(
+            "seq, request_id, event, actor, detail", finished, DECISION_EVENTS
+        ):
+            ending.setdefault(str(request_id), RecordedEnding(int(seq), str(event), actor, detail))
         found = [
             UnrecordedRequest(str(r[0]), str(r[2]), r[3] is not None, r[1], ending.get(str(r[0]))) for r in rows[:limit]
         ]
@@ -1498,18 +1492,29 @@ class ApprovalStore:
         """Each request's first ending event (``decided``, ``timeout``, ``cancelled``) as (seq, whether it carries
         chain fields), a query per :data:`IDS_PER_QUERY` requests; a request with none is absent."""
         found: dict[str, tuple[int, bool]] = {}
+        async for seq, request_id, chain_hash in self.audit_rows_of(
+            "seq, request_id, chain_hash", request_ids, DECISION_EVENTS
+        ):
+            found.setdefault(str(request_id), (int(seq), chain_hash is not None))
+        return found
+
+    async def audit_rows_of(
+        self, columns: str, request_ids: Collection[str], events: Sequence[str]
+    ) -> AsyncIterator[Sequence[Any]]:
+        """``columns`` of the audit events named ``events`` of ``request_ids``, read as :meth:`audit_rows` reads
+        them, a query per :data:`IDS_PER_QUERY` requests: every event of one request comes in the same query, so
+        each request's events come oldest first (the requests' own order is not kept)."""
         ids = sorted(set(request_ids))
-        kinds = ", ".join("?" * len(DECISION_EVENTS))
-        for start in range(0, len(ids), IDS_PER_QUERY):
+        kinds = ", ".join("?" * len(events))
+        for start in range(0, len(ids) if events else 0, IDS_PER_QUERY):
             part = ids[start : start + IDS_PER_QUERY]
-            for seq, request_id, chain_hash in await self.audit_rows(
-                "seq, request_id, chain_hash",
+            for row in await self.audit_rows(
+                columns,
                 f"FROM approval_events WHERE request_id IN ({', '.join('?' * len(part))}) AND event IN ({kinds})"
                 " ORDER BY seq",
-                (*part, *DECISION_EVENTS),
+                (*part, *events),
             ):
-                found.setdefault(str(request_id), (int(seq), chain_hash is not None))
-        return found
+                yield row
 
     async def last_event_seq(self) -> int:
         row = await self.tables.one("SELECT seq FROM approval_events ORDER BY seq DESC LIMIT 1")

@@ -79,17 +79,8 @@ def big_log(
     return config
 
 
-def _peak(run: Callable[[], Result]) -> tuple[Result, int]:
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        result = run()
-        return result, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
-def _peak_of(run: Callable[[], T]) -> tuple[T, int]:
+def _peak(run: Callable[[], T]) -> tuple[T, int]:
+    """What ``run`` returns, and the most memory Python held while it ran."""
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
@@ -256,7 +247,7 @@ def test_doctor_checks_the_decided_rows_seals_a_page_at_a_time(
     config.write_text(config_text(tmp_path, store_engine))
     monkeypatch.setenv("KAZMA_DECISION_KEY", str(KEY_ENV["KAZMA_DECISION_KEY"]))
     loaded = load_config(config)
-    (check, sealed), peak = _peak_of(lambda: run_async(decision_checks.check_decision_seals(loaded)))
+    (check, sealed), peak = _peak(lambda: run_async(decision_checks.check_decision_seals(loaded)))
     assert sealed == DECIDED + 3
     assert check.level is Level.FAIL, check
     assert f"{DECIDED} decided rows whose seal does not verify, {DECIDED} of them approved" in check.detail, check

@@ -121,6 +121,41 @@ def step(index: int, assignee: str = "researcher", **kw: object) -> StepSpec:
     return StepSpec(index=index, title=f"step {index}", assignee=assignee, **kw)  # type: ignore[arg-type]
 
 
+class HeldSleeps:
+    """The executor's retry waits, each held on an event of its own until the test lets it end (in any order)."""
+
+    def __init__(self) -> None:
+        self.events: list[asyncio.Event] = []
+        self.delays: list[float] = []
+        self.tasks: dict[int, asyncio.Task[object]] = {}  # the wait's task, by its event's place in events
+
+    async def __call__(self, delay: float) -> None:
+        event = asyncio.Event()
+        self.events.append(event)
+        self.delays.append(delay)
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks[len(self.events) - 1] = task
+        await event.wait()
+
+    def held(self) -> list[int]:
+        """The waits still going (not ended, not cancelled)."""
+        return [i for i, e in enumerate(self.events) if not e.is_set() and not self.tasks[i].done()]
+
+    async def end(self, i: int) -> None:
+        """End wait ``i`` and let its task move the plan on."""
+        self.events[i].set()
+        await asyncio.gather(self.tasks[i], return_exceptions=True)
+
+
+def hold_backoffs(ex: PlanExecutor) -> HeldSleeps:
+    """Give ``ex`` a 5-second backoff (no jitter) whose waits the test ends itself, one by one."""
+    ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
+    sleeps = HeldSleeps()
+    ex.sleep = sleeps
+    return sleeps
+
+
 @pytest.mark.parametrize(
     ("plan", "problem"),
     [
@@ -223,19 +258,11 @@ async def test_transient_failures_retry_up_to_the_cap(store_engine: Engine) -> N
 async def test_a_transient_failure_runs_again_after_a_bounded_backoff_not_at_once(tmp_path: Path) -> None:
     # It was dispatched again at once: a rate-limited model hit again within milliseconds, three times.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        waits: list[float] = []
-        released = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            waits.append(delay)
-            await released.wait()
-
-        ex.sleep = held
+        sleeps = hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2)))
         assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
         await asyncio.sleep(0)  # the wait starts
-        assert waits == [5.0]
+        assert sleeps.delays == [5.0]
         assert d.dispatched() == [(plan.id, 1)]  # not again yet, and step 2 does not jump ahead
         notice = d.actions[-1]
         assert notice.kind is ActionKind.NOTICE
@@ -244,7 +271,7 @@ async def test_a_transient_failure_runs_again_after_a_bounded_backoff_not_at_onc
             "(attempt 2 of 3)."
         )
         [waiting] = ex._waits.values()
-        released.set()
+        sleeps.events[0].set()
         await asyncio.wait_for(waiting, timeout=10)
         assert not ex._waits
         assert d.dispatched() == [(plan.id, 1)] * 2
@@ -257,13 +284,7 @@ async def test_a_transient_failure_runs_again_after_a_bounded_backoff_not_at_onc
 async def test_a_step_waiting_out_its_backoff_when_the_process_stops_runs_at_the_next_start(tmp_path: Path) -> None:
     path = tmp_path / "p.db"
     async with executor(path) as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        never = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await never.wait()
-
-        ex.sleep = held
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1)))
         assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
         [waiting] = ex._waits.values()
@@ -381,10 +402,7 @@ async def _drive(
     path: Path, drawn: list[tuple[PlanSpec, dict[int, str]]], rng: random.Random, *, backoffs: bool = False
 ) -> None:
     async with executor(path) as (ex, d):
-        sleeps = HeldSleeps()
-        if backoffs:
-            ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-            ex.sleep = sleeps
+        sleeps = hold_backoffs(ex) if backoffs else HeldSleeps()
         conversations = ["c1", "c1", "c2"]  # two plans may share a conversation (and its lock)
         origin = PlanOrigin("the request", REQUESTER)
         started = []
@@ -899,13 +917,7 @@ async def test_a_retried_hand_off_says_which_try_it_is_and_nothing_of_the_failur
 async def test_a_step_waiting_out_its_backoff_lets_a_step_that_does_not_need_it_run(tmp_path: Path) -> None:
     # While step 1 waited out its backoff (up to two minutes), step 2 — which does not wait for it — waited too.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        released = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await released.wait()
-
-        ex.sleep = held
+        sleeps = hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
         assert await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
         assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]  # step 2 goes on now
@@ -917,7 +929,7 @@ async def test_a_step_waiting_out_its_backoff_lets_a_step_that_does_not_need_it_
         )
         [waiting] = ex._waits.values()
         # Its backoff ends while step 2 runs: still one step at a time, so step 1 waits for step 2 to end.
-        released.set()
+        sleeps.events[0].set()
         await asyncio.wait_for(waiting, timeout=10)
         assert [(i, n) for i, n, _ in dispatches(d, plan.id)] == [(1, 1), (2, 1)]
         await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
@@ -935,13 +947,7 @@ async def test_a_step_in_backoff_does_not_jump_a_step_that_went_on_meanwhile_or_
     # Step 2 (independent) finishes while step 1 still waits its backoff: nothing else is ready, so nothing runs
     # until the backoff ends; then step 1 runs, and the plan ends.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        released = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await released.wait()
-
-        ex.sleep = held
+        sleeps = hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
         await ex.complete(plan.id, 2, StepResult(ok=True, summary="two"), attempt=1)
@@ -950,7 +956,7 @@ async def test_a_step_in_backoff_does_not_jump_a_step_that_went_on_meanwhile_or_
         assert loaded is not None
         assert loaded.status == "active"  # not finished: step 1 runs again
         [waiting] = ex._waits.values()
-        released.set()
+        sleeps.events[0].set()
         await asyncio.wait_for(waiting, timeout=10)
         assert dispatches(d, plan.id)[-1] == (1, 2, "(try 2 of 3)")
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=2)
@@ -960,13 +966,7 @@ async def test_a_step_in_backoff_does_not_jump_a_step_that_went_on_meanwhile_or_
 async def test_aborting_a_plan_ends_a_steps_backoff_at_once(tmp_path: Path) -> None:
     # A step waiting out its backoff while another ran: the abort must end the wait too, not leave it to fire.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        never = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await never.wait()
-
-        ex.sleep = held
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
         [waiting] = ex._waits.values()
@@ -988,13 +988,7 @@ async def test_a_step_replaced_while_its_old_self_waited_out_a_backoff_starts_wi
 ) -> None:
     # The backoff of the step that was replaced held the index: the new step 2 did not start until it ended.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        never = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await never.wait()
-
-        ex.sleep = held
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2), step(3)))
         await ex.complete(plan.id, 1, StepResult(ok=True, summary="one"), attempt=1)
         await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
@@ -1012,13 +1006,7 @@ async def test_a_step_replaced_while_its_old_self_waited_out_a_backoff_starts_wi
 async def test_skipping_a_step_that_waits_out_its_backoff_ends_the_wait(tmp_path: Path) -> None:
     # The skipped step's wait lived on (up to two minutes) and then moved a plan on that had nothing left of it.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        never = asyncio.Event()
-
-        async def held(delay: float) -> None:
-            await never.wait()
-
-        ex.sleep = held
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2)))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
         [waiting] = ex._waits.values()
@@ -1027,33 +1015,6 @@ async def test_skipping_a_step_that_waits_out_its_backoff_ends_the_wait(tmp_path
         assert not ex._waits
         await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), timeout=10)
         assert waiting.cancelled()
-
-
-class HeldSleeps:
-    """The executor's retry waits, each held on an event of its own until the test lets it end (in any order)."""
-
-    def __init__(self) -> None:
-        self.events: list[asyncio.Event] = []
-        self.delays: list[float] = []
-        self.tasks: dict[int, asyncio.Task[object]] = {}  # the wait's task, by its event's place in events
-
-    async def __call__(self, delay: float) -> None:
-        event = asyncio.Event()
-        self.events.append(event)
-        self.delays.append(delay)
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks[len(self.events) - 1] = task
-        await event.wait()
-
-    def held(self) -> list[int]:
-        """The waits still going (not ended, not cancelled)."""
-        return [i for i, e in enumerate(self.events) if not e.is_set() and not self.tasks[i].done()]
-
-    async def end(self, i: int) -> None:
-        """End wait ``i`` and let its task move the plan on."""
-        self.events[i].set()
-        await asyncio.gather(self.tasks[i], return_exceptions=True)
 
 
 def running(d: RecordingDispatcher, plan_id: str) -> list[tuple[int, int]]:
@@ -1068,9 +1029,7 @@ async def test_two_steps_waiting_out_backoffs_at_once_each_run_once_one_at_a_tim
     # Step 1 waits out its backoff, step 2 goes on and fails for a passing reason too. Its notice said "it runs again
     # in about 5 seconds" — but step 1's wait may end first, and step 2 then waits for all of step 1's run.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        sleeps = HeldSleeps()
-        ex.sleep = sleeps
+        sleeps = hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1, 2])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
         await ex.complete(plan.id, 2, StepResult(ok=False, error="HTTP 503", transient=True), attempt=1)
@@ -1103,16 +1062,14 @@ async def test_a_restart_during_a_backoff_with_another_step_running_runs_the_wai
     # (the lead asked), and step 1 — pending on disk, its wait gone — must run once: not never, not twice.
     path = tmp_path / "p.db"
     async with executor(path) as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        ex.sleep = HeldSleeps()
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
         assert running(d, plan.id) == [(1, 1), (2, 1)]
         [waiting] = ex._waits.values()
         waiting.cancel()  # the process stops
     async with executor(path) as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        ex.sleep = HeldSleeps()
+        hold_backoffs(ex)
         assert await ex.recover() == [(plan.id, 2)]
         assert d.asked_lead == [(plan.id, 2)]
         assert running(d, plan.id) == []  # the lead decides first: nothing runs beside its turn's repair
@@ -1149,9 +1106,7 @@ async def test_a_retry_notice_while_the_lead_decides_about_another_step_does_not
     # Step 1 failed, the lead decides; step 2 went on and failed for a passing reason: "it runs again in about 5
     # seconds". The lead then runs step 1 again, at once: step 2's wait ends while step 1 runs, and it waits for it.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        sleeps = HeldSleeps()
-        ex.sleep = sleeps
+        sleeps = hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="wrong file"), attempt=1)
         assert d.asked_lead == [(plan.id, 1)]
@@ -1174,8 +1129,7 @@ async def test_the_leads_retry_of_a_step_waiting_out_its_backoff_is_told_it_runs
     # The lead, reading the notice, asked to retry the step: "step 1 is pending; only a failed step can be retried"
     # — as if it had never run.
     async with executor(tmp_path / "p.db") as (ex, d):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        ex.sleep = HeldSleeps()
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429", transient=True), attempt=1)
         with pytest.raises(RepairRefused) as refused:
@@ -1194,8 +1148,7 @@ async def test_the_plan_view_says_a_step_waiting_out_its_backoff_runs_again_and_
     # /plan showed "1. [pending] step 1" beside "2. [in_progress] step 2": as if step 2 had jumped a step that never
     # ran. It ran and failed for a passing reason; it runs again after its backoff.
     async with executor(tmp_path / "p.db") as (ex, _):
-        ex.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        ex.sleep = HeldSleeps()
+        hold_backoffs(ex)
         plan = await ex.start("c", spec(step(1), step(2, wait_for=[]), step(3, wait_for=[1])))
         await ex.complete(plan.id, 1, StepResult(ok=False, error="HTTP 429\n rate limited", transient=True), attempt=1)
         view = [line for line in (await ex.describe("c")).splitlines() if not line.startswith("   ")]

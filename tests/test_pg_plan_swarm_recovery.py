@@ -19,7 +19,6 @@ import pytest
 
 from kazma.bot.app import build_app
 from kazma.config import load_config_text
-from kazma.config.backoff import Backoff
 from kazma.config.store.postgres import PgStore
 from kazma.engine.executor import PlanExecutor, StepResult
 from kazma.engine.model import ScriptedProvider
@@ -33,7 +32,7 @@ from kazma.engine.tools.executions import ExecutionRecord, ExecutionSummary
 from tests.audit_support import AUDIT_KEY
 from tests.store_backends import replica_store
 from tests.swarm_rig import config as swarm_config
-from tests.test_executor import WORKERS, HeldSleeps, RecordingDispatcher, running
+from tests.test_executor import WORKERS, RecordingDispatcher, hold_backoffs, running
 
 WAIT = 30.0
 CHAT = "telegram:-1"
@@ -309,9 +308,7 @@ async def test_a_step_in_backoff_on_a_replica_judged_gone_runs_once_whoever_move
     beside it, and what comes after step 1 runs once, on b."""
     async with replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         a, on_a = _executor(PlanStore(sa, replica="a"))
-        a.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        sleeps = HeldSleeps()
-        a.sleep = sleeps
+        sleeps = hold_backoffs(a)
         steps = [StepSpec(index=1, title="build", assignee="builder", input="build"),
                  StepSpec(index=2, title="docs", assignee="researcher", input="docs", wait_for=[]),
                  StepSpec(index=3, title="ship", assignee="builder", input="ship", wait_for=[1])]  # fmt: skip
@@ -362,9 +359,7 @@ async def test_two_replicas_moving_a_plan_with_backoffs_at_once_never_start_two_
     gate = Gate()
     async with replica_store(pg_dsn, "a") as sa, replica_store(pg_dsn, "b") as sb:
         a, on_a = _executor(PlanStore(sa, replica="a"))
-        a.retry_backoff = Backoff(base=5.0, cap=120.0, jitter=False)
-        sleeps = HeldSleeps()
-        a.sleep = sleeps
+        sleeps = hold_backoffs(a)
         steps = [StepSpec(index=1, title="build", assignee="builder", input="build"),
                  StepSpec(index=2, title="docs", assignee="researcher", input="docs", wait_for=[]),
                  StepSpec(index=3, title="region", assignee="user", input="which region?", wait_for=[]),
