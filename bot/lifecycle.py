@@ -60,6 +60,8 @@ INGRESS_CHECK_SECONDS = 10.0
 INBOUND_RECORD_SECONDS = 1.0
 # A long-lived loop (a sweep, the store watch, the leader's ingress) that failed is started again this soon.
 LOOP_RESTART = Backoff(base=1.0, cap=60.0)
+# At a clean stop the turns in flight may finish this long (a turn whose approval the stop withdrew tells its asker).
+TURN_GRACE = 2.0
 
 
 @dataclass(kw_only=True)
@@ -92,6 +94,8 @@ class Lifecycle(ABC):
     # The console's transcript, pruned by the retention sweep (web.transcript_retention_days; None: not here).
     transcript: TranscriptStore | None = None
     sweep_interval: float = 5.0
+    # A turn in flight at a clean stop may finish this long (seconds); then it is cancelled.
+    turn_grace: float = TURN_GRACE
     store_watch: StoreWatch | None = field(init=False, default=None)
     _tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("app_task"))  # sweeps, watch, notices
     _leader_tasks: Supervisor = field(init=False, default_factory=lambda: Supervisor("leader_task"))  # while leading
@@ -378,6 +382,15 @@ class Lifecycle(ABC):
             count_failure("approval_stop_withdraw")
             log.warning("app.turns_unwithdrawn", error=str(exc))
 
+    async def _stop_turns(self, grace: float) -> None:
+        """The conversations' turns and the plans' backoff waits end before the store closes: a turn still running
+        after ``turn_grace`` is cancelled (its tool's execution row then says "may have run"). They ran on until the
+        event loop closed, writing to a closed store: what they did was lost without a word."""
+        cut = await self.conversations.stop(grace=grace)
+        if cut:
+            count_failure("turn_cut_at_stop")
+            log.warning("app.turns_cut", turns=cut, grace=grace)
+
     async def _follow_chat_moves(self) -> None:
         """Chats that moved before this start (kazma.yaml may still name the old id): serve the new one."""
         adapters: dict[str, object] = getattr(self.bus, "adapters", {})
@@ -479,7 +492,9 @@ class Lifecycle(ABC):
             await self.mcp.stop()
         await self._withdraw_turns()  # the platforms still up: the cards settle as the bus stops
         await self._tell_at_stop()
+        await self._stop_turns(self.turn_grace)  # the platforms still up: a turn finishing in its grace says so
         await self.bus.stop()
+        await self._stop_turns(0.0)  # any a message started meanwhile, before the platforms closed
         if self.executions is not None:  # a call still running says "may have run" before the store closes
             try:
                 await self.executions.interrupt_open()

@@ -198,6 +198,16 @@ class Conversations:
         """Wait for every running turn (tests and clean shutdown)."""
         await self._tasks.drain()
 
+    async def stop(self, *, grace: float) -> list[str]:
+        """At a clean stop, before the platforms and the store close: the plans' backoff waits end (a wait ending
+        later started a turn on a closing store), the turns in flight get ``grace`` seconds to finish (a turn
+        whose approval the stop withdrew tells its asker), and the rest are cancelled and waited for. The names
+        of the turns cut short. They ran on until the event loop closed, after the store: their record lost."""
+        if self.executor is not None:
+            await self.executor.stop_waits()
+        cut = await self._tasks.stop(grace=grace)
+        return sorted(task.get_name() for task in cut)
+
     async def _handle(self, message: Inbound) -> None:
         try:
             await self._route(message)

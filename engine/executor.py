@@ -162,6 +162,8 @@ class PlanExecutor:
     # Steps waiting out a transient failure's backoff: (plan, step) -> the task that moves the plan on after it.
     # Kept in memory only: a process that stops meanwhile leaves the step pending, moved on at its next start.
     _waits: dict[tuple[str, int], asyncio.Task[None]] = field(default_factory=dict)
+    # Every retry task until it ends, those past their wait (moving their plan on) too: a stop waits for them.
+    _retrying: set[asyncio.Task[None]] = field(default_factory=set)
 
     # -- starting and completing -----------------------------------------------------------------
 
@@ -388,6 +390,8 @@ class PlanExecutor:
 
         task = asyncio.get_running_loop().create_task(wait(), name=f"plan-retry-{plan_id}-{index}")
         self._waits[key] = task
+        self._retrying.add(task)
+        task.add_done_callback(self._retrying.discard)
 
     async def _record(
         self, plan_id: str, index: int, result: StepResult, attempt: int | None
@@ -907,6 +911,19 @@ class PlanExecutor:
                     await self._cancel_questions(plan.id, step.index)
         await self.store.set_plan_status(plan.id, "aborted")
         self._end_waits(plan.id)
+
+    async def stop_waits(self) -> None:
+        """At a stop, every backoff wait ends: its step stays pending, moved on at the next start; a retry already
+        past its wait (moving its plan on) is waited for, not cut half-way. Left to end during the stop, a wait
+        moved its plan on against a closing store (``plan.retry_failed``)."""
+        waits = list(self._waits.values())
+        self._waits.clear()
+        for task in waits:
+            task.cancel()
+        if self._retrying:
+            await asyncio.wait(set(self._retrying))
+        if waits:
+            log.info("plan.retries_put_off", waits=sorted(task.get_name() for task in waits))
 
     def _end_waits(self, plan_id: str, indices: Collection[int] | None = None) -> None:
         """Backoffs of the plan's steps (``indices``: of these only) end now: nothing runs after them any more.

@@ -665,6 +665,38 @@ async def test_a_rate_limited_step_runs_again_after_a_backoff_said_once_in_the_c
         assert re.match(r"\[kazma\] @builder \(try 2 of 3\) Deploy\.", dispatches[1])
 
 
+async def test_a_stop_during_a_step_s_backoff_ends_the_wait_and_leaves_the_step_pending_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    # The wait's task ran on past app.stop(): one ending during the shutdown moved its plan on against a closing
+    # store ("plan.retry_failed"), one still waiting died with the event loop ("Task was destroyed").
+    def rate_limited(messages: Sequence[Message]) -> ModelReply:
+        raise ModelError("429 rate limited", permanent=False, status=429, retry_after=30.0)
+
+    scripts: dict[str, list[ScriptStep]] = {
+        "kazma": [call("write_plan", DEPLOY_PLAN), ModelReply(content="Planned.")],
+        "builder": [rate_limited],
+    }
+    ended = asyncio.Event()
+
+    async def held(delay: float) -> None:  # the executor's retry wait, never let end by the test
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    before = asyncio.all_tasks()
+    async with kazma(tmp_path, scripts) as (app, fake):
+        app.executor.sleep = held
+        fake.push_message(CHAT, ALICE, "@kazma deploy", username="alice")
+        await said(fake, "Plan: step 1 (deploy) failed for a passing reason")
+        await app.conversations.drain()
+        assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("plan-retry-")]
+    assert ended.is_set()  # cancelled by the stop, not left to the event loop's end
+    left = [t.get_name() for t in asyncio.all_tasks() - before if t.get_name().startswith("plan-retry-")]
+    assert left == []
+
+
 async def test_a_step_in_backoff_lets_the_next_step_go_on_and_the_chat_says_it_in_order(tmp_path: Path) -> None:
     # What people read while step 1 waits out its backoff: why and when, then step 2's hand-off (it does not need
     # step 1), then step 1 again marked as its second try, and step 3 (which needs step 1) only after it.
