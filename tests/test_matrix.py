@@ -433,6 +433,50 @@ async def test_a_press_on_a_redacted_card_never_counts_and_its_requests_other_ca
     assert (press.chat, press.message_id, press.data) == (harness.other, other.message_id, approve)
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["seen in the sync", "read back after a restart"])
+async def test_a_redacted_card_is_not_edited_again_while_its_requests_other_card_is(
+    harness: MatrixHarness, restarted: bool
+) -> None:
+    # A moderator redacts a card whose arguments showed something sensitive. When its request was decided, the
+    # settle edit (m.new_content, the whole card) went out over it all the same and published again what was
+    # removed. No edit goes to a redacted card now, known from the sync or read back once when it is settled,
+    # and its request's other card is edited as ever.
+    adapter = await harness.start()
+    card = make_card({"path": "/tmp/secret-token"})
+    ref = await adapter.post_card(card)
+    other = await adapter.post_card_in(card, harness.other)
+    alice = harness.people[harness.admin]
+    path = f"/_matrix/client/v3/rooms/{quote(ref.chat)}/redact/{quote(ref.message_id)}/kazma-edit-{restarted}"
+    await asyncio.to_thread(alice.request, "PUT", path, {"reason": "shows a secret"})
+    await harness.say(harness.home, harness.admin, "after the redaction")
+    assert await texts_arrived(harness, 1) == ["after the redaction"]  # the sync took the redaction before it
+    if restarted:
+        await adapter.quiesce()
+        await adapter.stop()
+        adapter = await harness.start()  # remembers nothing of the card, and syncs on from past the redaction
+    since = await asyncio.to_thread(alice.now, ref.chat)
+    with structlog.testing.capture_logs() as logged:
+        if not restarted:
+            await adapter.update_card(ref, dataclasses.replace(card, progress="1 of 2 approvals"))
+        for posted in (ref, other):  # the request decided: the bus settles each of its cards
+            await adapter.settle_card(posted, card, outcome_of(card))
+    events = await asyncio.to_thread(alice.messages, ref.chat, since)
+    over = [e for e in events if ((e.get("content") or {}).get("m.relates_to") or {}).get("event_id") == ref.message_id]
+    assert over == []
+    edits = await asyncio.to_thread(alice.request, "GET",
+        f"/_matrix/client/v1/rooms/{quote(ref.chat)}/relations/{quote(ref.message_id)}/m.replace")  # fmt: skip
+    assert edits["chunk"] == []
+    skipped = [e for e in logged if e["event"] == "matrix.edit_skipped_redacted"]
+    assert [(e["card"], e["settled"]) for e in skipped] == [(ref.message_id, False)] * (not restarted) + [
+        (ref.message_id, True)
+    ]
+    settled = [e for e in logged if e["event"] == "platform.card_settled"]
+    assert [(e["message_id"], e["changed"]) for e in settled] == [(ref.message_id, False), (other.message_id, True)]
+    shown = harness.card(other)
+    assert shown.text.startswith("APPROVED")
+    assert shown.buttons == []
+
+
 async def test_a_reaction_with_the_variation_selector_is_the_same_press(harness: MatrixHarness) -> None:
     adapter = await harness.start()
     card = make_card({"path": "/tmp/x"})

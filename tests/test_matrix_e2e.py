@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+import structlog
 
 from kazma.adapters.matrix import MatrixAdapter
 from kazma.adapters.matrix.position import ACCOUNT_DATA_TYPE
@@ -27,7 +28,7 @@ from kazma.adapters.outbox import Outbox
 from kazma.adapters.pacing import ChatRateLimiter
 from kazma.adapters.slack import SlackAdapter
 from kazma.approvals import ApprovalService, ApprovalStore
-from kazma.approvals.model import Status
+from kazma.approvals.model import Decision, Status
 from kazma.bot.app import App, build_app
 from kazma.bot.store import open_store
 from kazma.config import LoadedConfig, load_config, load_config_text
@@ -176,6 +177,41 @@ async def test_a_mention_on_matrix_a_card_everywhere_a_reaction_decides_every_ca
         runs = [p.read_text() for p in (tmp_path / "ws").rglob("matrix-runs.log")]
         assert runs == ["ran\n"]  # what was approved ran, once
         assert room.notices_to(room.alice) == []  # the winner is not alarmed: the edit is the answer
+
+
+async def test_a_redacted_matrix_card_is_not_edited_when_the_request_is_decided(tmp_path: Path) -> None:
+    """A moderator redacts the Matrix card (its arguments showed a secret); the request is decided through the
+    API. Every other platform's card shows the outcome, the Matrix card's settle is done without any edit that
+    would carry the card again, and nothing tries it again."""
+    room = Room(shared_synapse())
+    await asyncio.to_thread(room.make)
+    async with three_fakes() as fakes, kazma(fakes, tmp_path / "k.db", room, room.server.url) as app:
+        with structlog.testing.capture_logs() as logged:
+            request = await app.service.open("shell", {"command": "deploy --token s3cret"}, "agent:builder",
+                                             f"matrix:{room.id}")  # fmt: skip
+            [card] = await until(room.cards)
+            await fakes.wait(lambda: all(fakes.has_buttons(p) for p in PLATFORMS), timeout=60)
+            path = f"/_matrix/client/v3/rooms/{quote(room.id)}/redact/{quote(card['event_id'])}/kazma-e2e"
+            await asyncio.to_thread(room.alice.request, "PUT", path, {"reason": "shows a secret"})
+            await until(lambda: any(e["event"] == "matrix.card_redacted" for e in logged))  # the sync took it
+            decided = await app.service.decide(request.id, Decision.APPROVE, actor=f"matrix:{room.alice.user_id}",
+                                               platform="matrix")  # fmt: skip
+            assert decided.won
+            await fakes.wait(lambda: not any(fakes.has_buttons(p) for p in PLATFORMS), timeout=60)
+            async with asyncio.timeout(60):
+                while any(c.settled_at is None for c in await app.service.store.cards(request.id)):
+                    await asyncio.sleep(0.05)
+        for platform in PLATFORMS:
+            assert "APPROVED" in fakes.card_text(platform), platform
+        assert room.edits(card["event_id"]) == []
+        replaces = [
+            e for e in room.alice.messages(room.id)
+            if (e.get("content") or {}).get("m.relates_to", {}).get("rel_type") == "m.replace"
+            and e["content"]["m.relates_to"].get("event_id") == card["event_id"]
+        ]  # fmt: skip
+        assert replaces == []
+        [skipped] = [e for e in logged if e["event"] == "matrix.edit_skipped_redacted"]
+        assert (skipped["card"], skipped["settled"]) == (card["event_id"], True)
 
 
 @pytest.mark.parametrize("lost", ["edit", "answer"])

@@ -229,7 +229,7 @@ class MatrixAdapter(PlatformBase):
         self._direct_known = False  # whether m.direct was read (see _load_direct)
         # the bot's own events with choices: key -> data (least recently used first, see CHOICES_KEPT)
         self._choices: OrderedDict[_Where, dict[str, str]] = OrderedDict()
-        # the bot's own events seen redacted (a redaction in the sync, or one read back so): no press on them counts
+        # events seen redacted (a redaction in the sync, or a card read back so): no press on them counts, no edit goes
         self._redacted: OrderedDict[_Where, None] = OrderedDict()
         self._prompts: dict[_Where, _Prompt | None] = {}  # events read as reason prompts (None: no prompt), a cache
         self._others: dict[str, None] = {}  # events not the bot's own (an ordered set, see OTHERS_KEPT)
@@ -704,11 +704,15 @@ class MatrixAdapter(PlatformBase):
         it counts as little as one read back after a restart does (its content, choices and all, is gone)."""
         content = event.get("content")
         target = event.get("redacts") or (content.get("redacts") if isinstance(content, dict) else None)
-        where = (room, str(target))
-        if not isinstance(target, str) or not self._choices.get(where):
+        if not isinstance(target, str):
+            return
+        where = (room, target)
+        # Remembered whoever sent it: after a restart (or once forgotten) a card is not known as the bot's, yet an
+        # edit of it must not carry again what the redaction removed (see _edit_card).
+        self._remember_redacted(where)
+        if not self._choices.get(where):
             return  # nothing of the bot's known here: a read of it later shows it redacted (see _own_event)
         del self._choices[where]
-        self._remember_redacted(where)
         log.info("matrix.card_redacted", room=room, card=target, by=str(event.get("sender", "")),
                  detail="presses on it no longer count; its request's other cards still stand")  # fmt: skip
 
@@ -734,12 +738,7 @@ class MatrixAdapter(PlatformBase):
         content = await self._own_event(room, event_id, "press")
         if content is None or (room, event_id) in self._redacted:
             return {}
-        listed = content.get(CHOICES_KEY)
-        found = {
-            same_key(str(c["key"])): str(c["data"])
-            for c in (listed if isinstance(listed, list) else [])
-            if isinstance(c, dict) and "key" in c and "data" in c
-        }
+        found = _offered(content)
         self._remember_choices(room, event_id, found)
         return found
 
@@ -1064,9 +1063,20 @@ class MatrixAdapter(PlatformBase):
     async def _edit_card(
         self, site: str, ref: CardRef, laid: LaidOut[Any], card: ApprovalCard, *, settled: bool
     ) -> bool:
-        if settled and (ref.chat, ref.message_id) in self._choices:
+        where = (ref.chat, ref.message_id)
+        if settled and where not in self._choices and where not in self._redacted:
+            # Not known either way (a restart, or forgotten): one read tells. Only for a settle, which comes once
+            # per card; a progress edit goes by what the sync showed.
+            await self._read_card(site, ref)
+        if where in self._redacted:
+            # A moderator removed it (what it showed, perhaps): an edit carries the whole card again and would
+            # publish anew what was removed. Nothing to show on it; the request's other cards are edited.
+            log.info("matrix.edit_skipped_redacted", room=ref.chat, card=ref.message_id, settled=settled,
+                     request_id=card.request_id, detail="redacted: an edit would show it again")  # fmt: skip
+            return False
+        if settled and where in self._choices:
             # Its request is decided: a press on it only learns so, and a read of the card finds it again.
-            self._choices.move_to_end((ref.chat, ref.message_id), last=False)
+            self._choices.move_to_end(where, last=False)
         client = self._api(site)
         written: MatrixCard = laid.written
         content = edit_content(written, laid.view, ref.message_id)
@@ -1082,6 +1092,19 @@ class MatrixAdapter(PlatformBase):
         txn = f"kazma-edit-{_short(ref.message_id)}-{words}-{_short(over)}"
         await self.call(site, ref.chat, lambda: self._send(client, ref.chat, content, txn=txn))
         return True
+
+    async def _read_card(self, site: str, ref: CardRef) -> None:
+        """Read the card ``ref`` back: remembered as redacted when it was, else with its choices (so the next edit
+        or press reads nothing). A failure raises: the edit is tried again as one that failed."""
+        client = self._api(site)
+        path = Path.v3.rooms[RoomID(ref.chat)].event[ref.message_id]
+        event = await self.call(site, ref.chat, lambda: client.api.request(Method.GET, path), paced=False)
+        where = (ref.chat, ref.message_id)
+        if (event.get("unsigned") or {}).get("redacted_because"):
+            self._remember_redacted(where)
+        elif event.get("sender") == self.user_id:
+            content = event.get("content")
+            self._remember_choices(ref.chat, ref.message_id, _offered(content if isinstance(content, dict) else {}))
 
     async def _newest_edit(self, client: ClientAPI, ref: CardRef) -> tuple[str, dict[str, Any]] | None:
         """The card's newest edit by the bot (its id and what it shows), ``("", {})`` when it has none; None when
@@ -1147,6 +1170,16 @@ def _not_successor(create: dict[str, Any], old: str, room: str, tombstone: str) 
         made_first = str(create.get("event_id", "")).removeprefix("$") == room.removeprefix("!")
         return None if made_first else "the new room does not name the tombstone"
     return None if named == tombstone else "the new room names another event than the tombstone"
+
+
+def _offered(content: dict[str, Any]) -> dict[str, str]:
+    """Which key means which data on a card or question of the bot's, by its content."""
+    listed = content.get(CHOICES_KEY)
+    return {
+        same_key(str(c["key"])): str(c["data"])
+        for c in (listed if isinstance(listed, list) else [])
+        if isinstance(c, dict) and "key" in c and "data" in c
+    }
 
 
 def _short(text: str) -> str:
