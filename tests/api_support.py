@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +17,7 @@ from kazma.bot.app import App, build_app
 from kazma.bot.console.server import WebServer
 from kazma.config import load_config_text
 from kazma.engine.model import ScriptedProvider
+from tests.child_env import child_env
 from tests.fakes.telegram import FakeTelegram
 from tests.mcp_support import TG_ADMIN, TG_CHAT, cards, press
 
@@ -41,9 +41,7 @@ class Door:
         return {"Authorization": f"Bearer {token}"}
 
     async def run_cli(self, *args: str, token: str = REQUESTER_TOKEN) -> asyncio.subprocess.Process:
-        # A PYTHONPATH already set comes first: a worktree's import shim is what the CLI then runs.
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
-        env = {**os.environ, "PYTHONPATH": path, "KAZMA_API_TOKEN": token, "NO_PROXY": "127.0.0.1"}
+        env = child_env({"KAZMA_API_TOKEN": token, "NO_PROXY": "127.0.0.1"})
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
+
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 async def run_kazma(config: Path, log: Path) -> asyncio.subprocess.Process:
     """`kazma -c CONFIG run` with JSON logs appended to ``log`` and fast polling of the outbox."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+    env = child_env({"NO_PROXY": "127.0.0.1,localhost"})
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "--log-format", "json", "run",
         "--poll-interval", "0.1",

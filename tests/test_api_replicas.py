@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -25,10 +24,10 @@ from kazma.approvals import ApprovalStore
 from kazma.bot.store import pg_migrations
 from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.audit_support import AUDIT_KEY
+from tests.child_env import child_env
 from tests.contract.harness import free_port
 from tests.fakes.telegram import FakeTelegram
 from tests.platforms_support import TG_ADMIN, TG_CHAT
-from tests.process_support import REPO
 
 KEYS = 100
 API_TOKEN = "ci-" + "c" * 40
@@ -65,16 +64,16 @@ platforms:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "KAZMA_REPLICA": self.name,
-            "KAZMA_WEB_TOKEN": "o" * 40,  # replicas share the console's tokens
-            "KAZMA_WEB_READER_TOKEN": "r" * 40,
-            "KAZMA_DECISION_KEY": "k1:" + "d" * 40,  # every replica verifies the others' seals
-            "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
-        }
+        env = child_env(
+            {
+                "NO_PROXY": "127.0.0.1,localhost",
+                "KAZMA_REPLICA": self.name,
+                "KAZMA_WEB_TOKEN": "o" * 40,  # replicas share the console's tokens
+                "KAZMA_WEB_READER_TOKEN": "r" * 40,
+                "KAZMA_DECISION_KEY": "k1:" + "d" * 40,  # every replica verifies the others' seals
+                "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
+            }
+        )
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",
             "--poll-interval", "2", "--no-pacing",

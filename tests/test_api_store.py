@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -21,7 +20,7 @@ from kazma.adapters.outbox import Outbox
 from kazma.approvals import ApprovalStore
 from kazma.bot.api_store import ApiOpen, IdempotencyKeys, QuotaFull
 from kazma.config.store.postgres import PgTx
-from tests.process_support import REPO
+from tests.child_env import child_env
 from tests.store_backends import Engine, open_store, raw_rows
 
 KEYS = 100
@@ -29,7 +28,7 @@ WAIT = 120.0
 
 
 async def _opener(engine: Engine, *args: str) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.api_opener", engine.name, engine.where, *args,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import textwrap
 from collections import Counter
@@ -21,6 +20,7 @@ from typing import Any
 from kazma.approvals import ApprovalService, Decision, PressResult, PressVerdict
 from tests.api_support import REPO
 from tests.approvals_support import RecordingPublisher, approval_service
+from tests.child_env import child_env
 from tests.policy_support import ALICE_ON_SLACK, FIVE, policy_config
 from tests.store_backends import Engine, raw_rows
 
@@ -180,7 +180,7 @@ async def test_two_processes_pressing_together_decide_each_request_once(store_en
     async with approval_service(store_engine.where, config=policy_config(), publisher=RecordingPublisher()) as service:
         ids = await _open(service, ACROSS_PROCESSES)
     halves = ([*FIVE[:3]], [*FIVE[3:], ALICE_ON_SLACK])  # alice presses in both processes
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,8 @@ import pytest
 
 from kazma.approvals.client import ApprovalMismatch, canonical_hash, require_approval
 from kazma.approvals.hashing import args_hash
-from tests.api_support import REPO, REQUESTER_TOKEN, Door, kazma_door
+from tests.api_support import REQUESTER_TOKEN, Door, kazma_door
+from tests.child_env import child_env
 from tests.mcp_support import cards
 
 SCRIPT = """
@@ -51,7 +51,7 @@ async def _run(door: Door, tmp: Path, mode: str, *extra: str, code: str | None =
     script = tmp / "decorated.py"
     script.write_text(SCRIPT, encoding="utf-8")
     ran = tmp / "ran.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "KAZMA_URL": door.url}
+    env = child_env({"KAZMA_API_TOKEN": REQUESTER_TOKEN, "KAZMA_URL": door.url})
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(script), str(ran), mode, *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,

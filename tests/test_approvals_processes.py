@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from kazma.approvals import Decision, Status
 from kazma.bot.cli.cli_identity import system_login
 from tests.approvals_support import APPROVERS_YAML, approval_service, assert_one_winner_each
+from tests.child_env import child_env
 
 PRESSER = textwrap.dedent(
     """
@@ -53,7 +53,7 @@ async def test_two_processes_press_every_request_exactly_one_winner(tmp_path: Pa
     async with approval_service(path) as service:
         ids = [(await service.open("shell", {"n": i}, "agent:b", "web:c")).id for i in range(1000)]
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,

@@ -19,13 +19,12 @@ from kazma.approvals.audit_export import ExportError, checkpoints_in_order, even
 from kazma.approvals.audit_verify import verify
 from tests.approvals_support import TEST_SIGNER, approval_service
 from tests.audit_support import KEY_ENV, Attacker, Log, config_text, make_log, run_async
-from tests.process_support import REPO
+from tests.child_env import child_env
 from tests.store_backends import Engine
 
 
 def kazma(cwd: Path, *args: str, keys: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
-    env["PYTHONPATH"] = str(REPO)
+    env = child_env(base={k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")})
     if keys:
         env.update(KEY_ENV)
     return subprocess.run(

@@ -42,6 +42,7 @@ from kazma.config.redaction import redact, redact_config_secrets
 from kazma.config.store.backend import StoreConnection
 from tests.approvals_support import TEST_KEYRING, TEST_SIGNER, approvals_config
 from tests.audit_support import Attacker
+from tests.child_env import child_env
 from tests.hang_report import awaits
 from tests.process_support import REPO
 from tests.store_backends import Engine, open_store, raw_rows
@@ -173,7 +174,7 @@ async def sink_child(engine: Engine, url: str) -> asyncio.subprocess.Process:
         url,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(),
         cwd=REPO,
     )
 
@@ -749,7 +750,7 @@ async def test_a_file_sink_that_cannot_write_a_whole_batch_fails_it_and_leaves_t
     path = tmp_path / "kazma-audit.jsonl"
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CUT_SHORT, str(path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_env(),
         cwd=REPO,
     )  # fmt: skip
     async with asyncio.timeout(60):

@@ -21,7 +21,8 @@ import pytest
 from aiohttp import web
 
 from kazma.config import failpoints
-from tests.api_support import REPO, Door, first_answer_withheld, kazma_door
+from tests.api_support import Door, first_answer_withheld, kazma_door
+from tests.child_env import child_env
 
 WITHIN = 30.0
 
@@ -253,8 +254,7 @@ async def test_interrupted_while_reading_its_configuration_is_interrupted_not_de
     the text."""
     config = tmp_path / "kazma.yaml"
     os.mkfifo(config)
-    env = {**os.environ, "KAZMA_API_TOKEN": "t" * 40}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+    env = child_env({"KAZMA_API_TOKEN": "t" * 40})
     env.pop("KAZMA_URL", None)
     cli = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "approvals", "request", "--tool", "deploy", "--wait",

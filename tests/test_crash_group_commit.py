@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import pytest
 
 from kazma.approvals import Status
 from tests.approvals_support import approval_service
+from tests.child_env import child_env
 
 PRESSER = textwrap.dedent(
     """
@@ -67,7 +67,7 @@ async def test_sigkill_during_group_commits_keeps_every_answered_press_and_no_ha
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=child_env(),
         cwd=REPO,
     )
     assert child.stdin is not None

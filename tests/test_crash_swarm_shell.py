@@ -11,7 +11,6 @@ in-process: tests/test_swarm_endings.py, which also reads the console's dashboar
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from kazma.config.store.database import connect
 from kazma.engine.swarm.store import SwarmTaskStore
 from kazma.engine.swarm.types import TaskStatus
-from tests.conftest import REPO
+from tests.child_env import child_env
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
 from tests.fakes.telegram import FakeTelegram
 from tests.process_support import run_kazma
@@ -93,7 +92,7 @@ async def test_sigkill_mid_shell_says_may_have_run_everywhere_and_a_retry_asks(t
                 second.send_signal(signal.SIGTERM)
             await asyncio.wait_for(second.wait(), timeout=60)
         assert second.returncode == 0, log.read_text()[-3000:]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+        env = child_env({"NO_PROXY": "127.0.0.1,localhost"})
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(config), "swarm", "status", running.id,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=str(tmp_path),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from kazma.config import ConfigError, load_config_text
 from kazma.config.keyring import AUDIT_KEYS, DECISION_KEYS, KeySpec
 from kazma.engine.tools.mcp_launch import places_for
-from tests.process_support import REPO
+from tests.child_env import child_env
 
 SNOOP = Path(__file__).resolve().parent / "mcp_servers" / "snoop.py"
 KAZMA_CHILD = """
@@ -65,7 +64,7 @@ async def _snooped(tmp_path: Path, spec: KeySpec = DECISION_KEYS) -> dict[str, A
     spec.file(keys).chmod(0o600)
     script = tmp_path / "kazma_child.py"
     script.write_text(KAZMA_CHILD)
-    env = {**os.environ, "PYTHONPATH": str(REPO), spec.env: f"k1:{in_env}"}
+    env = child_env({spec.env: f"k1:{in_env}"})
 
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(

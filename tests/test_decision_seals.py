@@ -46,8 +46,8 @@ from kazma.config.keyring import (
 from kazma.config.metrics import failure_count
 from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_KEYRING, approval_service
+from tests.child_env import child_env
 from tests.outside_writes import write_around
-from tests.process_support import REPO
 from tests.store_backends import Engine
 
 ARGS = {"command": "deploy --prod"}
@@ -547,7 +547,7 @@ def _kazma(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> sub
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
     return subprocess.run(
         [sys.executable, "-m", "kazma.bot.cli", "-c", str(tmp_path / "kazma.yaml"), *args],
-        env={**clean, "PYTHONPATH": str(REPO), **(env or {})},
+        env=child_env(env, base=clean),
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,6 +10,7 @@ import pytest
 
 from kazma.approvals.model import Decision
 from kazma.bot.cli.demo import run_demo
+from tests.child_env import child_env
 
 
 async def test_demo_plays_the_whole_loop_and_approves() -> None:
@@ -182,7 +183,7 @@ def _demo_on_a_terminal(tmp_path: Path, *options: str) -> tuple[subprocess.Popen
     import pty
 
     master, slave = pty.openpty()
-    env = {"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = child_env(base={"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1"})
     demo = subprocess.Popen(
         [sys.executable, "-m", "kazma.bot.cli", "demo", "--no-browser", "--port", "0", *options],
         cwd=tmp_path, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
@@ -298,7 +299,6 @@ def test_the_end_of_input_at_the_terminal_only_prompt_denies_at_once(tmp_path: P
 def test_kazma_demo_runs_with_standard_input_closed(tmp_path: Path, options: tuple[str, ...]) -> None:
     # `kazma demo 0<&-` (no standard input at all: sys.stdin is None) ended in AttributeError: 'NoneType' object
     # has no attribute 'isatty', before anything was played.
-    import os
     import shlex
 
     command = shlex.join([sys.executable, "-m", "kazma.bot.cli", "--log-level", "warning", "demo", *options])
@@ -308,7 +308,7 @@ def test_kazma_demo_runs_with_standard_input_closed(tmp_path: Path, options: tup
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        env=child_env(base={"PATH": "/usr/bin:/bin", "NO_PROXY": "127.0.0.1"}),
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]

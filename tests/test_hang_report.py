@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.child_env import child_env
 
 HANGING = textwrap.dedent(
     """
@@ -41,7 +41,7 @@ def test_a_hung_async_test_prints_the_await_it_waits_on(tmp_path: Path) -> None:
             str(tmp_path / "test_hangs.py"),
         ],
         cwd=tmp_path,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        env=child_env({"PATH": "/usr/bin:/bin"}, base={}),
         capture_output=True,
         text=True,
         timeout=120,

@@ -27,6 +27,7 @@ from psycopg import sql
 
 from kazma.config.metrics import failure_count
 from kazma.config.store.leader import LeaderLease, LeaseTiming, lock_key
+from tests.child_env import child_env
 from tests.pg_support import PgDatabase, PostgresServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,7 +310,7 @@ class Replicas:
     _readers: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self, name: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost"}
+        env = child_env({"NO_PROXY": "127.0.0.1,localhost"})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.lease_replica", self.dsn, name,
             stdout=asyncio.subprocess.PIPE, stderr=(self.logs / f"{name}.log").open("ab"), env=env, cwd=REPO,

@@ -17,7 +17,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from kazma.approvals.hashing import args_hash
 from kazma.config.metrics import failure_count
-from tests.api_support import OPERATOR_TOKEN, REPO, REQUESTER_TOKEN, VIEWER_TOKEN, Door, kazma_door
+from tests.api_support import OPERATOR_TOKEN, REQUESTER_TOKEN, VIEWER_TOKEN, Door, kazma_door
+from tests.child_env import child_env
 
 ASK: dict[str, Any] = {"tool": "git_push", "arguments": {"branch": "main", "force": True}, "reason": "hotfix"}
 
@@ -46,7 +47,7 @@ async def test_sdk_client_over_stdio_gets_the_outcome_and_hash(tmp_path: Path) -
         params = StdioServerParameters(
             command=sys.executable,
             args=["-m", "kazma.bot.cli", "mcp", "serve", "--url", door.url],
-            env={"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")},
+            env=child_env({"KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}, base={}),
         )
         async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
             answer = await _ask_and_press(door, session, "a")

@@ -14,7 +14,6 @@ import asyncio
 import gc
 import importlib.util
 import json
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -25,7 +24,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.api_support import REPO, REQUESTER_TOKEN
+from tests.api_support import REQUESTER_TOKEN
+from tests.child_env import child_env
 from tests.fakes.telegram import FakeTelegram
 
 CHILD = """
@@ -101,7 +101,7 @@ async def kazma_run(tmp: Path, yaml: str) -> AsyncIterator[Running]:
     config.write_text(f"store: {{path: '{tmp / 'state' / 'k.db'}'}}\nweb: {{port: 0}}\n{yaml}")
     log = tmp / "kazma.log"
     modules = tmp / "modules.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_PROXY": "127.0.0.1,localhost", "KAZMA_TEST_MODULES": str(modules)}
+    env = child_env({"NO_PROXY": "127.0.0.1,localhost", "KAZMA_TEST_MODULES": str(modules)})
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, "-c", str(config), "--log-format", "json", "run",
         stdout=asyncio.subprocess.DEVNULL, stderr=log.open("ab"), env=env,

@@ -19,7 +19,8 @@ import mcp
 
 from kazma.bot.cli.mcp_stdio import asker, serve_checked, wire_server
 from kazma.bot.console.mcp_tool import Asked, build_server
-from tests.api_support import REPO, REQUESTER_TOKEN, Door, first_answer_withheld, kazma_door
+from tests.api_support import REQUESTER_TOKEN, Door, first_answer_withheld, kazma_door
+from tests.child_env import child_env
 
 WITHIN = 30
 
@@ -266,7 +267,7 @@ async def test_attack_a_line_not_utf8_is_refused_not_put_on_a_card_with_its_byte
     )
     initialise = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
     async with kazma_door(tmp_path) as door:
-        env = {"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}
+        env = child_env({"KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}, base={})
         serve = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "mcp", "serve", "--url", door.url,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={**env, "NO_PROXY": "127.0.0.1"},

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kazma.bot.cli.cli_identity import system_login
+from tests.child_env import child_env
 from tests.passkey_support import CeremonyRefused, SoftAuthenticator, enrol, sign_in
-from tests.process_support import REPO
 from tests.test_web_server import PEOPLE, console
 
 
@@ -21,7 +21,7 @@ def people(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}
     return subprocess.run(
         [sys.executable, "-m", "kazma.bot.cli", "-c", str(tmp_path / "kazma.yaml"), "people", *args],
-        env={**clean, "PYTHONPATH": str(REPO)},
+        env=child_env(base=clean),
         capture_output=True,
         text=True,
         timeout=120,

@@ -27,7 +27,7 @@ from kazma.config import load_config_text
 from kazma.config.store.database import Migration
 from kazma.config.store.postgres import pyformat
 from tests.approvals_support import APPROVERS_YAML, TEST_KEY, TEST_KEYRING, approval_service
-from tests.process_support import REPO
+from tests.child_env import child_env
 from tests.store_backends import Engine, open_store, raw_rows
 from tests.test_decision_seals import ARGS, forge, refused
 
@@ -265,7 +265,7 @@ def test_kazma_approvals_show_reads_a_decision_made_before_people(tmp_path: Path
             capture_output=True,
             text=True,
             cwd=tmp_path,
-            env={**clean, "PYTHONPATH": str(REPO), "KAZMA_DECISION_KEY": f"{TEST_KEY[0]}:{TEST_KEY[1]}"},
+            env=child_env({"KAZMA_DECISION_KEY": f"{TEST_KEY[0]}:{TEST_KEY[1]}"}, base=clean),
             timeout=120,
             check=False,
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ from kazma.approvals import ApprovalService, ApprovalStore
 from kazma.bot.store import pg_migrations
 from kazma.config.store.postgres import open_pg_store
 from tests.approvals_support import approvals_config, assert_one_winner_each
+from tests.child_env import child_env
 from tests.pg_support import find_bindir
 
 REQUESTS = 1000
@@ -69,7 +69,7 @@ async def test_three_replicas_press_every_request_exactly_one_winner(request: py
         opened = await asyncio.gather(*(service.open("shell", {"n": i}, "agent:b", "web:c") for i in range(REQUESTS)))
         ids = [r.id for r in opened]
 
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = child_env()
         procs = [
             await asyncio.create_subprocess_exec(
                 sys.executable,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import signal
 import sys
@@ -39,10 +38,10 @@ from kazma.config import load_config_text
 from kazma.config.keyring import DECISION_KEYS, Keyring
 from kazma.config.store.postgres import PgStore, open_pg_store
 from tests.audit_support import AUDIT_KEY
+from tests.child_env import child_env
 from tests.contract.harness import free_port
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.platforms_support import PLATFORMS, SLACK_ADMIN, SLACK_CHANNEL, TG_ADMIN, TG_CHAT, Fakes, three_fakes
-from tests.process_support import REPO
 from tests.tcp_proxy import CuttableProxy
 
 REQUESTS = 100
@@ -74,16 +73,16 @@ class Replica:
         return f"http://127.0.0.1:{self.slack_port}/slack/events"
 
     async def start(self) -> None:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "KAZMA_REPLICA": self.name,
-            "KAZMA_WEB_TOKEN": TOKEN,
-            "KAZMA_WEB_READER_TOKEN": READER,
-            "KAZMA_DECISION_KEY": DECISION_KEY,  # every replica verifies the others' seals
-            "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
-        }
+        env = child_env(
+            {
+                "NO_PROXY": "127.0.0.1,localhost",
+                "KAZMA_REPLICA": self.name,
+                "KAZMA_WEB_TOKEN": TOKEN,
+                "KAZMA_WEB_READER_TOKEN": READER,
+                "KAZMA_DECISION_KEY": DECISION_KEY,  # every replica verifies the others' seals
+                "KAZMA_AUDIT_KEY": AUDIT_KEY,  # every replica signs the one audit chain
+            }
+        )
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(self.config), "--log-format", "json", "run",
             "--poll-interval", "2", "--no-pacing",

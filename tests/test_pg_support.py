@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg.rows import TupleRow
 
+from tests.child_env import child_env
 from tests.pg_support import PgDatabase, PostgresServer, PostgresServerError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,7 +148,7 @@ def test_failing_test_still_stops_the_server(tmp_path: Path) -> None:
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_PG_RECORD": str(record)}
+    env = child_env({"KAZMA_PG_RECORD": str(record)})
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.pg_support", "-p", "no:cacheprovider",
          "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],

@@ -23,8 +23,8 @@ from kazma.bot.store import all_migrations
 from kazma.config import load_config_text
 from kazma.config.store.database import open_database
 from kazma.engine.model import ScriptStep
-from tests.api_support import REPO
 from tests.approvals_support import TEST_KEYRING, ManualClock, RecordingPublisher
+from tests.child_env import child_env
 from tests.mcp_support import (
     TG_CHAT,
     Seen,
@@ -236,7 +236,7 @@ async def test_rules_cli_lists_and_revokes(tmp_path: Path) -> None:
 
     async def kazma(*args: str) -> tuple[int, str]:
         # a child process: the CLI configures logging for its whole process
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")}, "PYTHONPATH": str(REPO)}
+        env = child_env(base={k: v for k, v in os.environ.items() if not k.startswith("KAZMA_")})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kazma.bot.cli", "-c", str(config_file), "approvals", "rules", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,

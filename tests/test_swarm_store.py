@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import sqlite3
 import subprocess
@@ -38,6 +37,7 @@ from kazma.engine.swarm.store import (
     UnknownTask,
 )
 from kazma.engine.swarm.types import ErrorKind, Pattern, TaskStatus, WorkerResult
+from tests.child_env import child_env
 from tests.lost_commit_answer import LostCommitAnswer
 from tests.pg_support import PostgresServer
 from tests.store_backends import Engine, open_store, raw_rows
@@ -396,7 +396,7 @@ async def test_two_processes_admit_against_one_file_exactly_one_wins(tmp_path: P
     path = tmp_path / "k.db"
     async with opened(path):
         pass  # schema in place before the race, so only admission is contended
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,

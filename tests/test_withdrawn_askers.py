@@ -26,8 +26,8 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from kazma.approvals.model import Decision
+from tests.child_env import child_env
 from tests.platforms_support import PLATFORMS, Fakes, three_fakes
-from tests.process_support import REPO
 from tests.test_crash_settle import wait_connected
 from tests.withdraw_support import (
     ASK,
@@ -202,7 +202,7 @@ async def test_mcp_serve_whose_client_hangs_up_withdraws_what_it_forwarded(tmp_p
         params = StdioServerParameters(
             command=sys.executable,
             args=["-m", "kazma.bot.cli", "mcp", "serve", "--url", run.url],
-            env={"PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")},
+            env=child_env({"KAZMA_API_TOKEN": REQUESTER_TOKEN, "PATH": os.environ.get("PATH", "")}, base={}),
         )
         async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
             await session.initialize()

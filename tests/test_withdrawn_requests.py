@@ -7,7 +7,6 @@ tests run against the console's real HTTP server with the Telegram fake.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import sys
@@ -22,8 +21,9 @@ from kazma.approvals.client import require_approval
 from kazma.approvals.model import Waits
 from kazma.approvals.withdrawal import POLL_GRACE, SEEN_EVERY, Gone, withdrawn
 from kazma.bot.console.api import MAX_WAIT
-from tests.api_support import OPERATOR_TOKEN, REPO, REQUESTER_TOKEN, Door, cards, kazma_door
+from tests.api_support import OPERATOR_TOKEN, REQUESTER_TOKEN, Door, cards, kazma_door
 from tests.approvals_support import ManualClock, RecordingPublisher, approval_service
+from tests.child_env import child_env
 from tests.store_backends import Engine
 from tests.test_web_server import _field
 
@@ -242,7 +242,7 @@ deploy("prod")
 
 async def test_require_approval_interrupted_by_ctrl_c_withdraws_its_request(tmp_path: Path) -> None:
     async with kazma_door(tmp_path) as door:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "KAZMA_API_TOKEN": REQUESTER_TOKEN, "KAZMA_URL": door.url}
+        env = child_env({"KAZMA_API_TOKEN": REQUESTER_TOKEN, "KAZMA_URL": door.url})
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", INTERRUPTED_SCRIPT,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 
 from tests.audit_support import AUDIT_KEY
+from tests.child_env import child_env
 from tests.contract.harness import free_port
 from tests.platforms_support import PLATFORMS, TG_ADMIN, TG_CHAT, Fakes
 from tests.process_support import REPO
@@ -58,12 +58,12 @@ MCP_CLIENT = textwrap.dedent(
 
 
 def env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "NO_PROXY": "127.0.0.1,localhost",
-        "KAZMA_API_TOKEN": REQUESTER_TOKEN,
-    }
+    return child_env(
+        {
+            "NO_PROXY": "127.0.0.1,localhost",
+            "KAZMA_API_TOKEN": REQUESTER_TOKEN,
+        }
+    )
 
 
 class KazmaRun:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,7 +23,7 @@ from pathlib import Path
 import discord
 
 from tests.audit_support import KEY_ENV
-from tests.conftest import REPO
+from tests.child_env import child_env
 from tests.fakes.discord import ALICE_ID, HOME_CHANNEL_ID, FakeDiscord
 from tests.fakes.openai import Completion, FakeOpenAI, FakeToolCall
 from tests.fakes.telegram import FakeTelegram
@@ -128,10 +127,7 @@ platforms:
         return path
 
     async def start(self, failpoints: str, *, replica: str = REPLICA) -> asyncio.subprocess.Process:
-        # A PYTHONPATH already set comes first: a worktree's import shim is then what ``kazma run`` runs (else the
-        # editable install's checkout ran, not the code under test).
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
-        env = {**os.environ, "PYTHONPATH": path, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints}
+        env = child_env({"NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": failpoints})
         if self.store == "postgresql":
             # A replica as deploy/compose.yaml runs one: the console's tokens and the keys every replica shares
             # (refused at start otherwise), and a name of its own that its restart keeps, so the restart ends

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
 import sys
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from tests.chaos.rig import (
     run_restarting,
 )
 from tests.chaos.scenario import Cell
-from tests.conftest import REPO
+from tests.child_env import child_env
 from tests.fakes.discord import HOME_CHANNEL_ID
 from tests.fakes.openai import Completion, FakeToolCall
 
@@ -108,8 +107,7 @@ class SwarmRig(Rig):
         return all(told(texts, task_id, status, error) for task_id, status, error in self.tasks())
 
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)  # a worktree's shim first
-        env = {**os.environ, "PYTHONPATH": path, "NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""}
+        env = child_env({"NO_PROXY": "127.0.0.1,localhost", "KAZMA_FAILPOINTS": ""})
         if self.store == "postgresql":
             env |= {"KAZMA_WEB_TOKEN": "o" * 40, "KAZMA_WEB_READER_TOKEN": "r" * 40, **KEY_ENV}
             env["KAZMA_REPLICA"] = REPLICA
