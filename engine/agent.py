@@ -542,8 +542,9 @@ class AgentRunner:
             return _not_run(call, result, str(exc), "Send the arguments its schema asks for, of the types it names.")
         call = ToolCall(call.id, call.name, prepared, call.raw_arguments, call.error)
         notes = (*self.registry.notes(call.name), *self.registry.call_notes(call.name, call.arguments))
-        shown = self.registry.definition(call.name)  # the tool as the card will show it
-        shown_digest = self.registry.definition_digest(call.name)  # the card binds it; execute compares it last
+        # The tool as the card will show it, as the digest the card binds: compared below before a row is
+        # written, and by execute last, where nothing is awaited before the send.
+        shown_digest = self.registry.definition_digest(call.name)
         earlier = await self._may_have_run(call, ctx)
         if earlier is not None:
             # The same call started here before and never finished: it may have run. A remembered approval must
@@ -566,7 +567,7 @@ class AgentRunner:
                 ToolRun(call.name, call.arguments, False, verdict.reason, refused=True, approval_id=verdict.request_id)
             )
             return f"Not run: {verdict.reason}" + denial_reason(verdict)
-        if self.registry.definition(call.name) != shown:
+        if self.registry.definition_digest(call.name) != shown_digest:
             # Its server listed it again while the call waited (a new description, schema or default): the person
             # approved a call of the tool as it was, not as it is now. Checked here to refuse before a row is
             # written; the store is awaited below, so execute compares the digest again where nothing can change.

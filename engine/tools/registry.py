@@ -232,11 +232,6 @@ class ToolRegistry:
         tool = self._tools.get(name)
         return () if tool is None else tool.call_notes(arguments)
 
-    def definition(self, name: str) -> object:
-        """``name``'s definition now (see Tool.definition); None for a tool that is not registered."""
-        tool = self._tools.get(name)
-        return None if tool is None else (type(tool), tool.definition())
-
     def definition_digest(self, name: str) -> str | None:
         """``name``'s definition now as a digest (see :func:`definition_digest`); None for a tool fixed in Kazma's
         code or not registered."""
